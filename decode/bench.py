@@ -1,0 +1,125 @@
+"""The benchmark harness behind `prune bench`: every decoder on the same prompts, one JSON record.
+
+Decoders run interleaved per prompt (ar, sync, async for prompt 1, then prompt 2, ...) after a warm-up,
+so that slow drift of the machine's speed affects every decoder alike. `ar` always runs: it is the
+reference output for exactness and the baseline for speedup.
+"""
+
+import platform
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from models.errors import ConfigError
+
+from .decoders import DECODERS, DecodeConfig, DecodeResult, decode_ar, decode_speculative
+from .metrics import summarize
+from .prompts import Prompt
+from .verifiers import LiveVerifier, ReplayVerifier
+
+VERIFY_MODES = ("live", "replay")
+
+
+@dataclass
+class BenchConfig:
+    """What to benchmark.
+
+    Attributes:
+        decoders: any of "ar", "sync", "async" ("ar" runs regardless, as the baseline).
+        verify: "live" runs the target; "replay" answers verification from the `ar` trajectory
+            (greedy only; acceptance metrics are exact, times then exclude the target).
+        warmup_tokens: max_new_tokens of the untimed warm-up run of each decoder on the first prompt.
+    """
+
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    decoders: tuple[str, ...] = DECODERS
+    verify: str = "live"
+    warmup_tokens: int = 16
+
+    def validate(self) -> None:
+        unknown = [d for d in self.decoders if d not in DECODERS]
+        if unknown:
+            raise ConfigError(f"unknown decoder {unknown[0]!r}; choose from {', '.join(DECODERS)} or all")
+        if self.verify not in VERIFY_MODES:
+            raise ConfigError(f"unknown verify mode {self.verify!r}; choose live or replay")
+        if self.verify == "replay" and self.decode.temperature > 0:
+            raise ConfigError("replay verification is greedy only; use --verify live with --temperature > 0")
+        if self.decode.max_new_tokens < 1:
+            raise ConfigError("--max-new-tokens must be at least 1")
+        if self.decode.temperature < 0:
+            raise ConfigError("--temperature must be >= 0")
+
+
+def run_decoder(decoder: str, drafter, target, prompt: list[int], config: DecodeConfig, verifier=None) -> DecodeResult:
+    """Decode one prompt with one decoder (live target unless a verifier is given)."""
+    if decoder == "ar":
+        return decode_ar(target, prompt, config)
+    verifier = verifier or LiveVerifier(target, config.temperature)
+    return decode_speculative(decoder, drafter, [verifier], [prompt], config)[0]
+
+
+def run_bench(drafter, target, prompts: list[Prompt], config: BenchConfig, on_result=None) -> tuple[dict, dict]:
+    """Benchmark the decoders on `prompts`.
+
+    Args:
+        on_result: optional callback(prompt_index, decoder, DecodeResult), e.g. to advance a progress bar.
+
+    Returns:
+        (report, outputs): the JSON-ready report `{"decoders": {...}, "prompts": N, "settings": {...}}`
+        and `{decoder: [DecodeResult per prompt]}`.
+    """
+    config.validate()
+    decoders = ["ar"] + [d for d in DECODERS if d in config.decoders and d != "ar"]
+    block_size = drafter.config.block_size if drafter is not None else None
+    warm = replace(config.decode, max_new_tokens=min(config.warmup_tokens, config.decode.max_new_tokens))
+    for decoder in decoders:
+        run_decoder(decoder, drafter, target, prompts[0].input_ids, warm)
+
+    outputs: dict[str, list[DecodeResult]] = {d: [] for d in decoders}
+    for index, prompt in enumerate(prompts):
+        for decoder in decoders:
+            verifier = None
+            if decoder != "ar" and config.verify == "replay":
+                verifier = ReplayVerifier(prompt.input_ids + outputs["ar"][index].output_ids)
+            result = run_decoder(decoder, drafter, target, prompt.input_ids, config.decode, verifier)
+            outputs[decoder].append(result)
+            if on_result is not None:
+                on_result(index, decoder, result)
+
+    report = {"decoders": {}, "prompts": len(prompts), "settings": _settings(config, drafter, target)}
+    ar_summary = summarize(outputs["ar"], block_size)
+    for decoder in decoders:
+        summary = summarize(outputs[decoder], block_size)
+        if decoder == "ar" or config.decode.temperature > 0:
+            summary["exact_match_vs_ar"] = None
+        else:
+            same = [r.output_ids == ref.output_ids for r, ref in zip(outputs[decoder], outputs["ar"])]
+            summary["exact_match_vs_ar"] = all(same)
+            summary["exact_match_prompts"] = sum(same)
+        timed = decoder == "ar" or config.verify == "live"
+        base, own = ar_summary["time_per_token_ms"], summary["time_per_token_ms"]
+        summary["speedup_vs_ar"] = base / own if timed and base and own else None
+        report["decoders"][decoder] = summary
+    return report, outputs
+
+
+def _settings(config: BenchConfig, drafter, target) -> dict:
+    device = next(target.parameters()).device
+    return {
+        "decode": asdict(config.decode),
+        "verify": config.verify,
+        "warmup_tokens": config.warmup_tokens,
+        "block_size": drafter.config.block_size if drafter is not None else None,
+        "drafter_layers": drafter.config.num_hidden_layers if drafter is not None else None,
+        "dtype": str(next(target.parameters()).dtype).replace("torch.", ""),
+        "device": str(device),
+        "environment": {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "cuda_device": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        },
+        "time_per_token": "aggregate: total decode time / total tokens after the prefill token",
+        "tau": "tau_macro = mean of per-prompt mean (a+1); tau_micro = mean over all rounds",
+    }

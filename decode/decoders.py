@@ -1,0 +1,348 @@
+"""The three decoders: `ar` (target alone), `sync` (draft, verify, repeat) and `async` (D3D packed).
+
+All three share the verifier interface, the acceptance rules and the stop rule, and return the same
+`DecodeResult`. The speculative decoders run a batch of sequences in lockstep over one `DraftEngine`
+(one row when decoding live; many when replaying for layer scoring); a row's tokens, acceptances and
+hits never depend on the other rows or on timing.
+
+Async round k (DESIGN section 4): while the target verifies V = [t, d1 .. d(B-1)], ONE packed drafter
+pass feeds the chain t, d1 .. d(B-1) plus candidate blocks for the likeliest outcomes (decode.planner).
+When (a, b) is known the matching candidate becomes the next draft (a hit); otherwise the drafter
+drafts synchronously from b (a fallback). Running the two passes one after the other (`concurrent=False`)
+gives identical tokens, acceptances and hits.
+"""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from models.errors import ConfigError
+from models.masks import BlockSpec
+
+from .acceptance import StopRule, greedy_outcome, sample_token, sampled_outcome
+from .engine import BlockPrediction, DraftEngine, DraftRequest
+from .planner import plan_candidates
+from .verifiers import LiveVerifier, TargetOutput
+
+DECODERS = ("ar", "sync", "async")
+
+
+@dataclass
+class DecodeConfig:
+    """Settings shared by every decoder.
+
+    Attributes:
+        max_new_tokens: generated tokens at most (the first token from prefill included).
+        block_size: tokens verified per round (t plus B-1 drafts); None uses the drafter's block size.
+            Smaller values keep the drafter's trained geometry and use only its first slots.
+        temperature: 0 for greedy; > 0 samples (speculative sampling for sync/async).
+        seed: seeds the sampling generator of every sequence.
+        stop_ids: token ids that end a sequence (kept in the output), e.g. EOS.
+        packed_budget: async only; query tokens the packed pass may spend on candidate blocks.
+        fan_out: async only; most bonus guesses per outcome.
+        concurrent: async only; overlap the verify pass and the packed pass (False: one after the other).
+    """
+
+    max_new_tokens: int = 128
+    block_size: int | None = None
+    temperature: float = 0.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()
+    packed_budget: int = 64
+    fan_out: int = 3
+    concurrent: bool = True
+
+    @property
+    def stop_rule(self) -> StopRule:
+        return StopRule(self.max_new_tokens, frozenset(self.stop_ids))
+
+
+@dataclass
+class Round:
+    """One target pass. Times are seconds; `hit` is None where no candidate applies (sync, last round)."""
+
+    accepted: int
+    hit: bool | None = None
+    verify_s: float = 0.0
+    draft_s: float = 0.0
+    overlap_s: float = 0.0
+    fallback_s: float = 0.0
+    packed_tokens: int = 0
+    total_s: float = 0.0
+
+
+@dataclass
+class DecodeResult:
+    """What a decoder produced for one prompt.
+
+    Attributes:
+        output_ids: generated ids (the prompt excluded), trimmed by the stop rule.
+        rounds: one entry per target pass after prefill.
+        prefill_s: target prefill (+ the first draft for speculative decoders); excluded from decode_s.
+        decode_s: wall time of the rounds.
+        first_token_from_prefill: the first output token came from the target's prefill pass.
+    """
+
+    decoder: str
+    prompt_len: int
+    output_ids: list[int]
+    rounds: list[Round] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def acceptance(self) -> list[int]:
+        return [r.accepted for r in self.rounds]
+
+    @property
+    def round_trace(self) -> list[tuple[int, bool | None]]:
+        """Per-round (a, hit): the sequence replay must reproduce exactly."""
+        return [(r.accepted, r.hit) for r in self.rounds]
+
+    @property
+    def timed_tokens(self) -> int:
+        """Tokens produced inside the timed rounds (all but the prefill token)."""
+        return max(0, len(self.output_ids) - 1)
+
+
+@dataclass
+class _Draft:
+    """A drafted block V = [t, d1 .. d(B-1)] with the drafter's per-slot beliefs."""
+
+    tokens: list[int]
+    confidences: list[float]
+    alternatives: list[list[tuple[int, float]]]
+
+    @classmethod
+    def from_slots(cls, bonus: int, prediction: BlockPrediction, first_slot: int, count: int) -> "_Draft":
+        end = first_slot + count
+        return cls(
+            [bonus] + prediction.tokens[first_slot:end],
+            prediction.probs[first_slot:end],
+            prediction.alternatives[first_slot:end],
+        )
+
+
+class _Sequence:
+    """Per-prompt decoding state: committed tokens, the verifier, the current draft, the round log."""
+
+    def __init__(self, prompt: list[int], verifier, config: DecodeConfig):
+        self.tokens = list(prompt)
+        self.prompt_len = len(prompt)
+        self.verifier = verifier
+        self.stop = config.stop_rule
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.done = False
+        self.draft: _Draft | None = None
+        self.rounds: list[Round] = []
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    def _pick(self, out: TargetOutput, row: int) -> int:
+        if out.probs is None:
+            return out.tokens[row]
+        return sample_token(out.probs[row], self.generator)
+
+    def start(self) -> None:
+        """Prefill the target and commit the first token."""
+        out = self.verifier.prefill(self.tokens)
+        self._commit([self._pick(out, 0)])
+
+    def _commit(self, committed: list[int]) -> int:
+        kept, self.done = self.stop.truncate(committed, self.generated)
+        self.tokens += kept
+        self.verifier.commit(len(self.tokens) - 1)
+        return len(kept) - 1
+
+    def ar_step(self) -> int:
+        out = self.verifier.verify([self.tokens[-1]])
+        return self._commit([self._pick(out, 0)])
+
+    def verify_draft(self) -> int:
+        """Verify the current draft and commit; returns a (after the stop rule)."""
+        drafts = self.draft.tokens[1:]
+        out = self.verifier.verify(self.draft.tokens)
+        if out.probs is None:
+            a, bonus = greedy_outcome(drafts, out.tokens)
+        else:
+            a, bonus = sampled_outcome(drafts, out.probs, self.generator)
+        return self._commit(drafts[:a] + [bonus])
+
+    def result(self, decoder: str, prefill_s: float, decode_s: float) -> DecodeResult:
+        return DecodeResult(decoder, self.prompt_len, self.tokens[self.prompt_len :], self.rounds, prefill_s, decode_s)
+
+
+def decode_ar(target: torch.nn.Module, prompt: list[int], config: DecodeConfig) -> DecodeResult:
+    """Plain KV-cached decoding with the target alone: the baseline and the reference output."""
+    seq = _Sequence(prompt, LiveVerifier(target, config.temperature), config)
+    start = time.perf_counter()
+    seq.start()
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    while not seq.done:
+        round_start = time.perf_counter()
+        seq.ar_step()
+        elapsed = time.perf_counter() - round_start
+        seq.rounds.append(Round(accepted=0, verify_s=elapsed, total_s=elapsed))
+    return seq.result("ar", prefill_s, time.perf_counter() - start)
+
+
+def decode_speculative(
+    decoder: str,
+    drafter: torch.nn.Module,
+    verifiers: list,
+    prompts: list[list[int]],
+    config: DecodeConfig,
+) -> list[DecodeResult]:
+    """Run `sync` or `async` decoding for several prompts in lockstep (one drafter pass per step).
+
+    Args:
+        decoder: "sync" or "async".
+        verifiers: one per prompt (LiveVerifier or ReplayVerifier), in the prompts' order.
+        prompts: token ids per prompt.
+
+    Returns:
+        One DecodeResult per prompt. Timings are per step of the whole batch; they mean per-prompt
+        times only when one prompt is decoded.
+    """
+    if decoder not in ("sync", "async"):
+        raise ValueError(f"unknown speculative decoder {decoder!r}")
+    seqs = [_Sequence(prompt, verifier, config) for prompt, verifier in zip(prompts, verifiers)]
+    engine = DraftEngine(drafter, rows=len(seqs), fan_out=config.fan_out)
+    block = config.block_size or engine.block_size
+    if not 2 <= block <= engine.block_size:
+        raise ConfigError(
+            f"block size {block} must be in 2..{engine.block_size} (the drafter's block_size); "
+            "lower --block-size or use a drafter trained with larger blocks"
+        )
+    start = time.perf_counter()
+    for seq in seqs:
+        seq.start()
+    _sync_draft(engine, seqs, [not seq.done for seq in seqs], block)
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        while any(not seq.done for seq in seqs):
+            if decoder == "sync":
+                _sync_round(engine, seqs, block)
+            else:
+                _async_round(engine, seqs, block, config, pool)
+    decode_s = time.perf_counter() - start
+    return [seq.result(decoder, prefill_s, decode_s) for seq in seqs]
+
+
+def _sync_draft(engine: DraftEngine, seqs: list[_Sequence], which: list[bool], block: int) -> float:
+    """Draft a fresh block after the last committed token of each selected sequence; returns seconds."""
+    start = time.perf_counter()
+    requests = [
+        DraftRequest(seq.tokens[engine.cache_lens[r] :], [BlockSpec(len(seq.tokens) - 1)]) if which[r] else None
+        for r, seq in enumerate(seqs)
+    ]
+    predictions = engine.forward(requests)
+    engine.keep([len(req.chain) if req else 0 for req in requests])
+    for r, seq in enumerate(seqs):
+        if which[r]:
+            seq.draft = _Draft.from_slots(seq.tokens[-1], predictions[r][0], 0, block - 1)
+    return time.perf_counter() - start
+
+
+def _sync_round(engine: DraftEngine, seqs: list[_Sequence], block: int) -> None:
+    round_start = time.perf_counter()
+    active = [not seq.done for seq in seqs]
+    for r, seq in enumerate(seqs):
+        if active[r]:
+            verify_start = time.perf_counter()
+            a = seq.verify_draft()
+            seq.rounds.append(Round(accepted=a, verify_s=time.perf_counter() - verify_start))
+    draft_s = _sync_draft(engine, seqs, [active[r] and not seq.done for r, seq in enumerate(seqs)], block)
+    total = time.perf_counter() - round_start
+    for r, seq in enumerate(seqs):
+        if active[r]:
+            seq.rounds[-1].draft_s, seq.rounds[-1].total_s = draft_s, total
+
+
+def _async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config: DecodeConfig, pool) -> None:
+    round_start = time.perf_counter()
+    active = [not seq.done for seq in seqs]
+    requests, plans = [], []
+    for r, seq in enumerate(seqs):
+        if not active[r]:
+            requests.append(None)
+            plans.append([])
+            continue
+        draft = seq.draft
+        plan = plan_candidates(
+            draft.confidences, draft.alternatives, block, config.packed_budget, config.fan_out, engine.block_size
+        )
+        s = len(seq.tokens) - 1  # position of t
+        blocks = [BlockSpec(s + c.accepted, c.guess) for c in plan]
+        requests.append(DraftRequest(seq.tokens[engine.cache_lens[r] :] + draft.tokens[1:], blocks))
+        plans.append(plan)
+
+    def packed_pass():
+        t0 = time.perf_counter()
+        predictions = engine.forward(requests)
+        return predictions, t0, time.perf_counter()
+
+    future = pool.submit(packed_pass) if config.concurrent else None
+    if future is None:
+        predictions, p_start, p_end = packed_pass()
+    v_start = time.perf_counter()
+    accepted = []
+    old_lengths = [len(seq.tokens) for seq in seqs]
+    for r, seq in enumerate(seqs):
+        accepted.append(seq.verify_draft() if active[r] else 0)
+    v_end = time.perf_counter()
+    if future is not None:
+        predictions, p_start, p_end = future.result()
+
+    # The committed part of each chain: the uncached committed tokens, t, and d1 .. da.
+    engine.keep(
+        [old_lengths[r] - engine.cache_lens[r] + accepted[r] if active[r] else 0 for r in range(len(seqs))]
+    )
+    hits = [None] * len(seqs)
+    for r, seq in enumerate(seqs):
+        if active[r] and not seq.done:
+            hits[r] = _take_candidate(seq, plans[r], predictions[r], accepted[r], block)
+    missed = [active[r] and hits[r] is False for r in range(len(seqs))]
+    fallback_s = _sync_draft(engine, seqs, missed, block) if any(missed) else 0.0
+
+    overlap = max(0.0, min(v_end, p_end) - max(v_start, p_start))
+    total = time.perf_counter() - round_start
+    for r, seq in enumerate(seqs):
+        if active[r]:
+            packed_tokens = len(requests[r].chain) + sum(
+                engine.block_size + (b.guess is not None) for b in requests[r].blocks
+            )
+            seq.rounds.append(
+                Round(
+                    accepted=accepted[r],
+                    hit=hits[r],
+                    verify_s=v_end - v_start,
+                    draft_s=p_end - p_start,
+                    overlap_s=overlap,
+                    fallback_s=fallback_s if missed[r] else 0.0,
+                    packed_tokens=packed_tokens,
+                    total_s=total,
+                )
+            )
+
+
+def _take_candidate(seq: _Sequence, plan, predictions: list[BlockPrediction], a: int, block: int) -> bool:
+    """Make the candidate matching (a, b) the next draft; False when none matches (a fallback is needed)."""
+    bonus = seq.tokens[-1]
+    for candidate, prediction in zip(plan, predictions):
+        if candidate.accepted != a:
+            continue
+        if candidate.guess is None and prediction.tokens[0] == bonus:
+            # All accepted: slot 1 drafted b itself; slots 2 .. B are the next drafts.
+            seq.draft = _Draft.from_slots(bonus, prediction, 1, block - 1)
+            return True
+        if candidate.guess == bonus:
+            seq.draft = _Draft.from_slots(bonus, prediction, 0, block - 1)
+            return True
+    return False

@@ -1,0 +1,134 @@
+"""The drafter side of every decoder: batched block-diffusion passes over per-row KV caches.
+
+One `DraftEngine` serves a batch of sequences (rows) in lockstep; live decoding uses one row, replayed
+scoring many. Each row's cache holds a prefix of its committed tokens. A pass feeds, per row, a chain
+of clean tokens (the committed tokens not yet cached, then any unverified drafts) and blocks of mask
+slots anchored on that chain; `keep` then tells each row how many chain tokens to retain, which drops
+the drafts that were rejected and every candidate block.
+"""
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from models.cache import crop_to, keep_rows
+from models.inference import drafter_hidden, masked_logits
+from models.masks import BlockSpec, batch_layouts, block_layout
+
+
+@dataclass
+class DraftRequest:
+    """What one row asks of a pass.
+
+    Attributes:
+        chain: clean tokens fed after the row's cached positions.
+        blocks: blocks of mask slots with absolute anchors (and optional guess tokens).
+    """
+
+    chain: list[int]
+    blocks: list[BlockSpec]
+
+
+@dataclass
+class BlockPrediction:
+    """The drafter's reading of one block's B slots.
+
+    Attributes:
+        tokens: argmax id per slot.
+        probs: probability of that argmax per slot (the drafter's confidence).
+        alternatives: per slot, the next-best (id, probability) pairs, argmax excluded, best first.
+    """
+
+    tokens: list[int]
+    probs: list[float]
+    alternatives: list[list[tuple[int, float]]]
+
+
+class DraftEngine:
+    """Runs drafter passes for `rows` sequences sharing one batched `DynamicCache`.
+
+    Args:
+        model: the drafter (`Qwen3ForCausalLM` with `block_size` and `mask_token_id` in its config).
+        rows: number of sequences decoded in lockstep.
+        fan_out: alternatives kept per slot (bonus-token guesses for async candidates).
+    """
+
+    def __init__(self, model: torch.nn.Module, rows: int = 1, fan_out: int = 4):
+        self.model = model
+        self.block_size = model.config.block_size
+        self.mask_id = model.config.mask_token_id
+        self.fan_out = fan_out
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self.rows = rows
+        self.cache = DynamicCache(config=model.config)
+        self.cache_lens = [0] * rows  # valid cached positions per row
+        self.padded_len = 0  # key slots per row in the cache tensors
+
+    def _on_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    @torch.inference_mode()
+    def forward(self, requests: list[DraftRequest | None]) -> list[list[BlockPrediction]]:
+        """Run one pass; rows with None feed nothing. Returns, per row, one prediction per block."""
+        layouts, inputs = [], []
+        for row, request in enumerate(requests):
+            if request is None:
+                request = DraftRequest([], [])
+            layout = block_layout(self.cache_lens[row], len(request.chain), request.blocks, self.block_size)
+            ids = list(request.chain)
+            for block in request.blocks:
+                ids += ([block.guess] if block.guess is not None else []) + [self.mask_id] * self.block_size
+            layouts.append(layout)
+            inputs.append(ids)
+        q_max = max(len(ids) for ids in inputs)
+        if q_max == 0:
+            return [[] for _ in requests]
+        with self._on_stream():
+            batched = batch_layouts(layouts, self.padded_len, self.dtype, self.device)
+            input_ids = torch.full((len(inputs), q_max), self.mask_id, dtype=torch.long)
+            for row, ids in enumerate(inputs):
+                input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            hidden = drafter_hidden(self.model, input_ids.to(self.device), batched, self.cache)
+            return self._read_blocks(hidden, layouts)
+
+    def _read_blocks(self, hidden: torch.Tensor, layouts) -> list[list[BlockPrediction]]:
+        rows = [(r, n) for r, layout in enumerate(layouts) for n in range(len(layout.blocks))]
+        if not rows:
+            return [[] for _ in layouts]
+        index_r = torch.cat([torch.full((self.block_size,), r) for r, _ in rows])
+        index_q = torch.cat([layouts[r].slot_rows[n] for r, n in rows])
+        logits = masked_logits(self.model, hidden[index_r.to(self.device), index_q.to(self.device)])
+        probs = torch.softmax(logits, dim=-1)
+        top_p, top_i = probs.topk(self.fan_out + 1, dim=-1)
+        top_p, top_i = top_p.view(len(rows), self.block_size, -1).tolist(), top_i.view(len(rows), self.block_size, -1).tolist()
+        out: list[list[BlockPrediction]] = [[] for _ in layouts]
+        for k, (r, _) in enumerate(rows):
+            out[r].append(
+                BlockPrediction(
+                    tokens=[slot[0] for slot in top_i[k]],
+                    probs=[slot[0] for slot in top_p[k]],
+                    alternatives=[list(zip(ids[1:], ps[1:])) for ids, ps in zip(top_i[k], top_p[k])],
+                )
+            )
+        return out
+
+    def keep(self, counts: list[int]) -> None:
+        """After a pass, keep the first `counts[r]` chain tokens of each row in its cache."""
+        new_lens = [c + k for c, k in zip(self.cache_lens, counts)]
+        with self._on_stream():
+            if self.rows == 1:
+                crop_to(self.cache, self.padded_len + counts[0])
+            else:
+                new_padded = max(new_lens)
+                keep = torch.zeros(self.rows, new_padded, dtype=torch.long)
+                for r, (c, k) in enumerate(zip(self.cache_lens, counts)):
+                    keep[r, :c] = torch.arange(c)
+                    keep[r, c : c + k] = torch.arange(self.padded_len, self.padded_len + k)
+                keep_rows(self.cache, keep)
+        self.cache_lens = new_lens
+        self.padded_len = max(new_lens) if self.rows > 1 else new_lens[0]
+

@@ -1,0 +1,76 @@
+"""Summaries of decoder results (DESIGN section 4).
+
+tau = mean acceptance length (a + 1) per round. `tau_macro` averages per-prompt means (DFlash's
+convention), `tau_micro` pools every round. Time per token is total decode time over total timed tokens
+(an aggregate, i.e. throughput-weighted), and speedup is the AR time per token over the decoder's,
+both measured on the same prompts.
+"""
+
+from statistics import mean
+
+from .decoders import DecodeResult
+
+
+def tau_per_prompt(results: list[DecodeResult]) -> list[float]:
+    """Mean (a + 1) per prompt; prompts without rounds are left out."""
+    return [mean(a + 1 for a in r.acceptance) for r in results if r.rounds]
+
+
+def summarize(results: list[DecodeResult], block_size: int | None) -> dict:
+    """Aggregate metrics of one decoder over prompts (JSON-ready; times in ms)."""
+    rounds = [rnd for r in results for rnd in r.rounds]
+    tokens = sum(r.timed_tokens for r in results)
+    decode_s = sum(r.decode_s for r in results)
+    per_prompt = tau_per_prompt(results)
+    summary = {
+        "prompts": len(results),
+        "rounds": len(rounds),
+        "output_tokens": sum(len(r.output_ids) for r in results),
+        "tau_macro": mean(per_prompt) if per_prompt else None,
+        "tau_micro": mean(rnd.accepted + 1 for rnd in rounds) if rounds else None,
+        "tau_per_prompt": per_prompt,
+        "tokens_per_s": tokens / decode_s if decode_s > 0 else None,
+        "time_per_token_ms": 1000 * decode_s / tokens if tokens else None,
+        "decode_s": decode_s,
+        "prefill_s": sum(r.prefill_s for r in results),
+    }
+    if block_size is not None and results and results[0].decoder != "ar":
+        histogram = [0] * block_size
+        for rnd in rounds:
+            histogram[rnd.accepted] += 1
+        summary["acceptance_histogram"] = histogram
+        # alpha_i = P(a >= i | a >= i - 1), i = 1 .. B-1: how often draft i is accepted once reached.
+        reached = [sum(histogram[i:]) for i in range(block_size)]
+        summary["per_position_acceptance"] = [
+            reached[i] / reached[i - 1] if reached[i - 1] else None for i in range(1, block_size)
+        ]
+    if results and results[0].decoder == "async":
+        summary.update(_async_summary(rounds, block_size))
+    return summary
+
+
+def _async_summary(rounds, block_size: int) -> dict:
+    judged = [rnd for rnd in rounds if rnd.hit is not None]
+    by_outcome = {}
+    for a in range(block_size):
+        outcome = [rnd.hit for rnd in judged if rnd.accepted == a]
+        if outcome:
+            by_outcome[str(a)] = {"rounds": len(outcome), "hit_rate": sum(outcome) / len(outcome)}
+    n = len(rounds) or 1
+    split = {
+        "verify": sum(r.verify_s for r in rounds),
+        "packed": sum(r.draft_s for r in rounds),
+        "overlap": sum(r.overlap_s for r in rounds),
+        "fallback": sum(r.fallback_s for r in rounds),
+        "round_total": sum(r.total_s for r in rounds),
+    }
+    # "other" is round time spent outside verify, the packed pass and fallback drafts (planning, bookkeeping).
+    split["other"] = split["round_total"] - (split["verify"] + split["packed"] - split["overlap"] + split["fallback"])
+    return {
+        "hit_rate": sum(r.hit for r in judged) / len(judged) if judged else None,
+        "hit_rate_by_outcome": by_outcome,
+        "fallback_rate": sum(not r.hit for r in judged) / len(judged) if judged else None,
+        "packed_tokens_mean": mean(r.packed_tokens for r in rounds) if rounds else None,
+        "time_split_ms": {key: 1000 * value / n for key, value in split.items()},
+        "packed_hidden_fraction": split["overlap"] / split["packed"] if split["packed"] > 0 else None,
+    }

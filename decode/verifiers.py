@@ -1,0 +1,110 @@
+"""Verifiers: the target side of a decoder, live or replayed.
+
+Both keep a position counter: `prefill(prompt)` feeds the prompt, `verify(tokens)` feeds the next
+tokens and returns the target's choice after each of them, and `commit(length)` rolls the state back
+to the first `length` positions (the committed ones). A decoder runs unchanged against either.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from models.cache import crop_to
+from models.errors import DataError
+
+
+@dataclass
+class TargetOutput:
+    """The target's answer for n fed tokens.
+
+    Attributes:
+        tokens: n greedy choices, the argmax after each fed token (-1 where a replay does not know it).
+        probs: float32 CPU Tensor `(n, vocab)` of sampling distributions, or None when greedy.
+    """
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+
+class LiveVerifier:
+    """Runs the target model with a KV cache (batch 1).
+
+    Args:
+        model: any transformers causal LM.
+        temperature: 0 for greedy; > 0 returns softmax(logits / temperature) as well.
+    """
+
+    def __init__(self, model: torch.nn.Module, temperature: float = 0.0):
+        self.model = model
+        self.temperature = temperature
+        self.device = next(model.parameters()).device
+        self.cache: DynamicCache | None = None
+        self.length = 0
+
+    @torch.inference_mode()
+    def _forward(self, tokens: list[int], last_only: bool) -> TargetOutput:
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        positions = torch.arange(self.length, self.length + len(tokens), device=self.device)[None]
+        out = self.model(
+            input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True,
+            logits_to_keep=1 if last_only else 0,
+        )
+        self.length += len(tokens)
+        logits = out.logits[0].float()
+        greedy = logits.argmax(-1).tolist()
+        probs = None
+        if self.temperature > 0:
+            probs = torch.softmax(logits / self.temperature, dim=-1).cpu()
+        return TargetOutput(greedy, probs)
+
+    def prefill(self, prompt: list[int]) -> TargetOutput:
+        """Start a new sequence; returns the target's output after the last prompt token (1 row)."""
+        self.cache = DynamicCache(config=self.model.config)
+        self.length = 0
+        return self._forward(prompt, last_only=True)
+
+    def verify(self, tokens: list[int]) -> TargetOutput:
+        """Feed `tokens` after the current position; one output row per token."""
+        return self._forward(tokens, last_only=False)
+
+    def commit(self, length: int) -> None:
+        """Keep only the first `length` positions."""
+        crop_to(self.cache, length)
+        self.length = length
+
+
+class ReplayVerifier:
+    """Answers greedy verification from a recorded target trajectory, without running the target.
+
+    At temperature 0 the committed text is the target's greedy trajectory whatever the drafter does, so
+    the target's choice after position j is trajectory[j + 1] for every position on it. Positions past
+    the trajectory's end answer -1, which never equals a draft; the stop rule ends decoding there.
+
+    Args:
+        trajectory: prompt + the target's greedy continuation (as produced by the `ar` decoder).
+    """
+
+    temperature = 0.0
+
+    def __init__(self, trajectory: list[int]):
+        self.trajectory = list(trajectory)
+        self.length = 0
+
+    def _answer(self, start: int, count: int) -> TargetOutput:
+        end = len(self.trajectory)
+        return TargetOutput([self.trajectory[j + 1] if j + 1 < end else -1 for j in range(start, start + count)])
+
+    def prefill(self, prompt: list[int]) -> TargetOutput:
+        if self.trajectory[: len(prompt)] != list(prompt):
+            raise DataError("the replay trajectory does not start with this prompt; rebuild the trajectory cache")
+        self.length = len(prompt)
+        return self._answer(len(prompt) - 1, 1)
+
+    def verify(self, tokens: list[int]) -> TargetOutput:
+        out = self._answer(self.length, len(tokens))
+        self.length += len(tokens)
+        return out
+
+    def commit(self, length: int) -> None:
+        self.length = length

@@ -1,0 +1,205 @@
+"""The drafter: a plain `Qwen3ForCausalLM` whose config carries `block_size` and `mask_token_id`.
+
+Extra config keys (all plain JSON, ignored by anything that just loads Qwen3):
+    block_size              B, mask slots drafted per pass.
+    mask_token_id           the id fed at mask slots; never a real token of the target.
+    draft_vocab_size        ids >= this are padding rows and are never proposed (default: vocab_size).
+    original_layer_indices  0-based indices, in the unpruned drafter, of the layers this one keeps.
+"""
+
+import copy
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from .checkpoint import (
+    WEIGHTS_NAME,
+    atomic_folder,
+    copy_tokenizer_files,
+    read_config_json,
+    read_safetensors_shapes,
+)
+from .errors import CheckpointError, ConfigError
+
+REQUIRED_KEYS = ("block_size", "mask_token_id")
+MAX_BLOCK_SIZE = 64
+
+
+def create_drafter(
+    vocab_size: int,
+    mask_token_id: int,
+    block_size: int = 16,
+    num_hidden_layers: int = 36,
+    hidden_size: int = 256,
+    intermediate_size: int = 768,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int | None = None,
+    draft_vocab_size: int | None = None,
+    seed: int = 0,
+    **config_kwargs,
+) -> Qwen3ForCausalLM:
+    """Build a randomly initialised drafter (float32) from explicit sizes; `seed` fixes the weights."""
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim or hidden_size // num_attention_heads,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        draft_vocab_size=draft_vocab_size or vocab_size,
+        original_layer_indices=list(range(num_hidden_layers)),
+        **config_kwargs,
+    )
+    validate_config(config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    model.config._attn_implementation = "sdpa"
+    return model.eval()
+
+
+def init_embeddings_from(drafter: Qwen3ForCausalLM, source: torch.nn.Module) -> None:
+    """Copy the token embedding (and an untied lm_head) rows that `source` has into `drafter`.
+
+    Rows beyond the source vocabulary (the mask token, padding) keep their random initialisation. The
+    widths must match; use this to start a drafter from its target's embeddings.
+    """
+    src_embed = source.get_input_embeddings().weight
+    dst_embed = drafter.get_input_embeddings().weight
+    if src_embed.shape[1] != dst_embed.shape[1]:
+        raise ConfigError(
+            f"cannot copy embeddings of width {src_embed.shape[1]} into a drafter of width {dst_embed.shape[1]}; "
+            "choose hidden_size equal to the source's"
+        )
+    rows = min(src_embed.shape[0], dst_embed.shape[0])
+    with torch.no_grad():
+        dst_embed[:rows].copy_(src_embed[:rows])
+        src_head, dst_head = source.get_output_embeddings(), drafter.get_output_embeddings()
+        if src_head is not None and dst_head is not None and dst_head.weight is not dst_embed:
+            dst_head.weight[:rows].copy_(src_head.weight[:rows])
+
+
+def validate_config(config: Qwen3Config | dict, where: str = "drafter config") -> None:
+    """Raise ConfigError naming the first inconsistency of a drafter config."""
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    if get("model_type") != "qwen3":
+        raise ConfigError(f"{where}: model_type is {get('model_type')!r}; a drafter must be a qwen3 model")
+    for key in REQUIRED_KEYS:
+        if get(key) is None:
+            raise ConfigError(f"{where}: missing key {key!r}; a drafter config needs {', '.join(REQUIRED_KEYS)}")
+    vocab_size, block_size, mask_id = get("vocab_size"), get("block_size"), get("mask_token_id")
+    if not isinstance(block_size, int) or not 2 <= block_size <= MAX_BLOCK_SIZE:
+        raise ConfigError(f"{where}: block_size {block_size!r} must be an integer in 2..{MAX_BLOCK_SIZE}")
+    if not isinstance(mask_id, int) or not 0 <= mask_id < vocab_size:
+        raise ConfigError(f"{where}: mask_token_id {mask_id!r} must be an id in 0..{vocab_size - 1}")
+    draft_vocab = get("draft_vocab_size") or vocab_size
+    if not 0 < draft_vocab <= vocab_size:
+        raise ConfigError(f"{where}: draft_vocab_size {draft_vocab} must be in 1..vocab_size ({vocab_size})")
+    layers = get("num_hidden_layers")
+    layer_types = get("layer_types")
+    if layer_types is not None and len(layer_types) != layers:
+        raise ConfigError(
+            f"{where}: layer_types has {len(layer_types)} entries but num_hidden_layers is {layers}; "
+            "re-export the drafter with this tool's layer surgery"
+        )
+    kept = get("original_layer_indices")
+    if kept is not None and (len(kept) != layers or list(kept) != sorted(set(kept))):
+        raise ConfigError(
+            f"{where}: original_layer_indices {kept} must list {layers} distinct increasing layer indices"
+        )
+
+
+def expected_weight_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes a safetensors file must hold for `config` (tied weights excluded)."""
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(copy.deepcopy(config))
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def validate_checkpoint(folder: str | os.PathLike) -> Qwen3Config:
+    """Check a drafter folder without loading weights: config keys, file integrity, tensor names and shapes."""
+    folder = Path(folder)
+    raw = read_config_json(folder)
+    validate_config(raw, where=f"{folder}/config.json")
+    config = Qwen3Config.from_dict(raw)
+    found = read_safetensors_shapes(folder / WEIGHTS_NAME)
+    expected = expected_weight_shapes(config)
+    found.pop("lm_head.weight", None) if config.tie_word_embeddings else None
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    if missing or unexpected:
+        detail = "; ".join(
+            part
+            for part in (
+                f"missing {_names(missing)}" if missing else "",
+                f"unexpected {_names(unexpected)}" if unexpected else "",
+            )
+            if part
+        )
+        raise CheckpointError(f"{folder}/{WEIGHTS_NAME} does not match its config.json: {detail}")
+    wrong = [name for name in expected if found[name] != expected[name]]
+    if wrong:
+        name = wrong[0]
+        raise CheckpointError(
+            f"{folder}/{WEIGHTS_NAME}: tensor {name} has shape {list(found[name])}, config says "
+            f"{list(expected[name])} ({len(wrong)} tensors differ)"
+        )
+    return config
+
+
+def _names(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def load_drafter(
+    folder: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Qwen3ForCausalLM:
+    """Validate and load a drafter folder (safetensors only) in eval mode with SDPA attention."""
+    validate_checkpoint(folder)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=dtype, attn_implementation="sdpa", use_safetensors=True, trust_remote_code=False
+    )
+    return model.to(device).eval()
+
+
+def save_drafter(
+    model: Qwen3ForCausalLM,
+    folder: str | os.PathLike,
+    tokenizer_source: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    dtype: torch.dtype | None = None,
+    extra_files: dict[str, str] | None = None,
+) -> Path:
+    """Write a drafter folder atomically: config.json, model.safetensors, tokenizer files, extra text files.
+
+    Args:
+        tokenizer_source: a folder whose tokenizer files are copied alongside (usually the source drafter).
+        dtype: cast the saved weights (e.g. torch.bfloat16); the in-memory model is not changed.
+        extra_files: `{file name: text}` written into the folder before it is renamed into place.
+    """
+    validate_config(model.config)
+    with atomic_folder(folder, overwrite=overwrite) as tmp:
+        to_save = model
+        if dtype is not None and dtype != next(model.parameters()).dtype:
+            to_save = copy.deepcopy(model).to(dtype)
+        to_save.save_pretrained(str(tmp), safe_serialization=True)
+        if tokenizer_source is not None:
+            copy_tokenizer_files(tokenizer_source, tmp)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+    return Path(folder)
+
+
+def draft_vocab_limit(config) -> int:
+    """Ids at or above this are padding rows, never proposed."""
+    return getattr(config, "draft_vocab_size", None) or config.vocab_size

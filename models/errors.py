@@ -1,0 +1,25 @@
+"""The project's exceptions: one root, a few kinds, each message naming the problem and the fix.
+
+The CLI prints `Error: <message>` for any `D3DError` and exits 1; anything else is a bug and keeps its
+traceback.
+"""
+
+
+class D3DError(Exception):
+    """Root of every error this tool raises on purpose (bad input, bad files, bad settings)."""
+
+
+class ConfigError(D3DError):
+    """A setting or a model config is invalid or inconsistent."""
+
+
+class CheckpointError(D3DError):
+    """A checkpoint folder is missing, incomplete, corrupted, or would be overwritten."""
+
+
+class DataError(D3DError):
+    """A prompt file or dataset cannot be read or does not fit the model."""
+
+
+class CompatibilityError(D3DError):
+    """A drafter and a target cannot be paired (tokenizer, vocabulary, block size)."""

@@ -1,0 +1,275 @@
+"""The drafter's training objective, L = L_diff + lambda * L_AR (DESIGN section 3), in the inference geometry.
+
+One training sequence of L tokens (prompt + the target's greedy response) becomes one query layout built
+by `models.masks.block_layout`: the clean stream (cache_len = 0, chain_len = L) followed by N blocks of
+B mask slots at random anchors p_n. This is exactly the geometry of a synchronous draft anchored at p_n,
+so a slot sees the same keys in training as at inference.
+
+- Anchors: positions p with both x_p and x_{p+1} in the response (at inference the anchor is always a
+  verified response token), drawn without replacement from a `torch.Generator`.
+- L_diff: slot i (1-based) of the block at p predicts x_{p+i} with weight w_i = exp(-(i-1)/gamma);
+  slots past the sequence end or on prompt positions get weight 0. Normalised by sum(w_i * valid).
+- L_AR: next-token cross entropy of the clean stream, on rows whose next token is a response token.
+- The head runs only on supervised rows, and its logits are masked exactly as at inference
+  (`masked_logits`: the mask id and padded vocabulary rows at -inf). Those ids are never targets, so the
+  loss stays finite; the softmax is then normalised over the ids inference can propose, and no gradient
+  is spent pushing down logits that inference discards anyway.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .errors import DataError
+from .inference import masked_logits
+from .masks import BlockSpec, batch_layouts, block_layout
+
+
+@dataclass
+class Example:
+    """One training sequence.
+
+    Attributes:
+        input_ids: LongTensor `(L,)`, prompt followed by response.
+        loss_mask: BoolTensor `(L,)`, True on response tokens (the supervised positions).
+    """
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+
+    @classmethod
+    def from_prompt_response(cls, prompt_ids, response_ids) -> "Example":
+        """Build from two id lists; the response part is supervised."""
+        ids = torch.tensor(list(prompt_ids) + list(response_ids), dtype=torch.long)
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        mask[len(prompt_ids) :] = True
+        return cls(ids, mask)
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class DiffusionBatch:
+    """A padded batch of training layouts; row indices are flat indices into `(batch * Q)`.
+
+    Attributes:
+        input_ids: LongTensor `(batch, Q)`; clean tokens, then `mask_token_id` at slots and padding.
+        attention_mask: float Tensor `(batch, 1, Q, Q)`, 0 where visible and -inf elsewhere.
+        position_ids: LongTensor `(batch, Q)`.
+        slot_rows: LongTensor `(S,)`, flat query index of every supervised slot.
+        slot_targets: LongTensor `(S,)`, the token at the slot's position.
+        slot_number: LongTensor `(S,)`, 0-based slot index i - 1 within its block.
+        slot_block: LongTensor `(S,)`, index of the slot's block among the batch's `num_blocks` blocks.
+        ar_rows: LongTensor `(A,)`, flat query index of every clean row whose next token is supervised.
+        ar_targets: LongTensor `(A,)`, that next token.
+        num_blocks: blocks in the batch; block_size: B.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    slot_rows: torch.Tensor
+    slot_targets: torch.Tensor
+    slot_number: torch.Tensor
+    slot_block: torch.Tensor
+    ar_rows: torch.Tensor
+    ar_targets: torch.Tensor
+    num_blocks: int
+    block_size: int
+
+    def to(self, device, mask_dtype: torch.dtype | None = None) -> "DiffusionBatch":
+        """Move every tensor to `device` (non-blocking); optionally cast the mask (e.g. to bfloat16)."""
+        moved = {
+            name: getattr(self, name).to(device, non_blocking=True)
+            for name in ("input_ids", "position_ids", "slot_rows", "slot_targets", "slot_number",
+                         "slot_block", "ar_rows", "ar_targets")
+        }
+        mask = self.attention_mask.to(device, dtype=mask_dtype or self.attention_mask.dtype, non_blocking=True)
+        return DiffusionBatch(attention_mask=mask, num_blocks=self.num_blocks, block_size=self.block_size, **moved)
+
+
+@dataclass
+class ObjectiveOutput:
+    """Losses and metrics of one batch. Losses are scalar tensors (`total` carries the graph).
+
+    Attributes:
+        slot_correct: LongTensor `(B,)`, per slot index, supervised slots whose argmax equals the target.
+        slot_count: LongTensor `(B,)`, supervised slots per slot index.
+        accept_sum: sum over full blocks of 1 + the leading run of correct slots 1..B-1 (a teacher-forced
+            proxy of a round's acceptance length on the target's own trajectory).
+        accept_blocks: number of full blocks (slots 1..B-1 all supervised) in accept_sum.
+    """
+
+    total: torch.Tensor
+    diff: torch.Tensor
+    ar: torch.Tensor
+    slot_correct: torch.Tensor
+    slot_count: torch.Tensor
+    accept_sum: float
+    accept_blocks: int
+
+    @property
+    def slot_accuracy(self) -> torch.Tensor:
+        """Float `(B,)`: fraction of supervised slots at each index whose argmax is right (nan if none)."""
+        return self.slot_correct.float() / self.slot_count.float()
+
+    @property
+    def accept_proxy(self) -> float:
+        return self.accept_sum / self.accept_blocks if self.accept_blocks else float("nan")
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_blocks: int, generator: torch.Generator) -> list[int]:
+    """Up to `num_blocks` distinct anchors p (sorted) with loss_mask[p] and loss_mask[p + 1].
+
+    Args:
+        loss_mask: BoolTensor `(L,)`.
+    """
+    valid = torch.nonzero(loss_mask[:-1] & loss_mask[1:]).flatten()
+    if valid.numel() == 0 or num_blocks <= 0:
+        return []
+    pick = torch.randperm(valid.numel(), generator=generator)[:num_blocks]
+    return sorted(valid[pick].tolist())
+
+
+def build_batch(
+    examples: list[Example],
+    block_size: int,
+    mask_token_id: int,
+    blocks_per_sequence: int,
+    generator: torch.Generator | None = None,
+    anchors: list[list[int]] | None = None,
+    max_length: int | None = None,
+    pad_multiple: int = 16,
+    extra_padding: int = 0,
+) -> DiffusionBatch:
+    """Lay out `examples` as clean stream + mask blocks and pad them into one batch (on CPU).
+
+    Args:
+        generator: draws the anchors (`sample_anchors`); unused when `anchors` gives them per example.
+        max_length: crop longer sequences to their first `max_length` tokens.
+        pad_multiple: pad the query length to a multiple of this (aligned masks suit the GPU kernels).
+        extra_padding: add this many more padded query rows (tests use it).
+    """
+    if anchors is None and generator is None:
+        raise ValueError("build_batch needs a generator or explicit anchors")
+    layouts, token_rows = [], []
+    slot_rows, slot_targets, slot_number, slot_block, ar_rows, ar_targets = [], [], [], [], [], []
+    offsets = torch.arange(block_size)
+    num_blocks = 0
+    for r, example in enumerate(examples):
+        ids, supervised = example.input_ids, example.loss_mask.bool()
+        if ids.shape != supervised.shape or ids.ndim != 1 or ids.numel() == 0:
+            raise DataError(f"example {r}: input_ids {tuple(ids.shape)} and loss_mask {tuple(supervised.shape)} "
+                            "must be equal non-empty 1-D tensors")
+        if max_length is not None:
+            ids, supervised = ids[:max_length], supervised[:max_length]
+        length = ids.numel()
+        row_anchors = anchors[r] if anchors is not None else sample_anchors(supervised, blocks_per_sequence, generator)
+        layout = block_layout(0, length, [BlockSpec(p) for p in row_anchors], block_size)
+        layouts.append(layout)
+        token_rows.append(torch.cat([ids, torch.full((len(row_anchors) * block_size,), mask_token_id)]))
+        # AR: clean row t predicts x_{t+1} where that token is supervised.
+        ar_t = torch.nonzero(supervised[1:]).flatten()
+        ar_rows.append(ar_t)  # row offset added after Q is known
+        ar_targets.append(ids[ar_t + 1])
+        if row_anchors:
+            # Slot i (0-based j) of block n: query row L + n*B + j, position p_n + 1 + j.
+            target_pos = torch.tensor(row_anchors)[:, None] + 1 + offsets[None, :]  # (N, B)
+            inside = target_pos < length
+            valid = inside & supervised[target_pos.clamp(max=length - 1)]
+            rows = length + torch.arange(len(row_anchors) * block_size).view(-1, block_size)
+            blocks = num_blocks + torch.arange(len(row_anchors))[:, None].expand(-1, block_size)
+            slot_rows.append(rows[valid])
+            slot_targets.append(ids[target_pos[valid]])
+            slot_number.append(offsets[None, :].expand_as(valid)[valid])
+            slot_block.append(blocks[valid])
+            num_blocks += len(row_anchors)
+        else:
+            slot_rows.append(torch.zeros(0, dtype=torch.long))
+            slot_targets.append(torch.zeros(0, dtype=torch.long))
+            slot_number.append(torch.zeros(0, dtype=torch.long))
+            slot_block.append(torch.zeros(0, dtype=torch.long))
+
+    q_max = max(layout.query_len for layout in layouts) + extra_padding
+    q_max = -(-q_max // pad_multiple) * pad_multiple
+    # A padded dummy layout of q_max clean tokens makes batch_layouts pad every row to q_max; drop it after.
+    batched = batch_layouts(layouts + [block_layout(0, q_max, [], block_size)], 0, torch.float32, "cpu")
+    input_ids = torch.full((len(examples), q_max), mask_token_id, dtype=torch.long)
+    for r, tokens in enumerate(token_rows):
+        input_ids[r, : tokens.numel()] = tokens
+        slot_rows[r] = slot_rows[r] + r * q_max
+        ar_rows[r] = ar_rows[r] + r * q_max
+    return DiffusionBatch(
+        input_ids=input_ids,
+        attention_mask=batched.mask[:-1],
+        position_ids=batched.positions[:-1],
+        slot_rows=torch.cat(slot_rows),
+        slot_targets=torch.cat(slot_targets),
+        slot_number=torch.cat(slot_number),
+        slot_block=torch.cat(slot_block),
+        ar_rows=torch.cat(ar_rows),
+        ar_targets=torch.cat(ar_targets),
+        num_blocks=num_blocks,
+        block_size=block_size,
+    )
+
+
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The underlying `Qwen3ForCausalLM` of a plain or peft-wrapped drafter."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """Float `(B,)`: w_i = exp(-(i - 1) / gamma) for slots i = 1..B."""
+    return torch.exp(-torch.arange(block_size, dtype=torch.float32) / gamma)
+
+
+def drafter_loss(
+    model: torch.nn.Module, batch: DiffusionBatch, gamma: float = 7.0, ar_weight: float = 1.0
+) -> ObjectiveOutput:
+    """L = L_diff + ar_weight * L_AR on a batch already on the model's device.
+
+    The mask must have the attention dtype (float32, or bfloat16 under bf16 autocast). Runs the decoder
+    layers on every query row and the head only on the S + A supervised rows.
+    """
+    lm = causal_lm(model)
+    hidden = lm.model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    ).last_hidden_state  # (batch, Q, hidden)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    num_slots = batch.slot_rows.numel()
+    rows = torch.cat([batch.slot_rows, batch.ar_rows])
+    logits = masked_logits(lm, flat[rows])  # (S + A, vocab) float32
+    targets = torch.cat([batch.slot_targets, batch.ar_targets])
+    ce = F.cross_entropy(logits, targets, reduction="none")
+    ce_slot, ce_ar = ce[:num_slots], ce[num_slots:]
+
+    weights = slot_weights(batch.block_size, gamma).to(ce.device)[batch.slot_number]  # (S,)
+    diff = (weights * ce_slot).sum() / weights.sum().clamp_min(1e-12)
+    ar = ce_ar.mean() if ce_ar.numel() else ce_ar.sum()
+    total = diff + ar_weight * ar
+
+    with torch.no_grad():
+        correct = logits[:num_slots].argmax(-1) == batch.slot_targets  # (S,)
+        size = batch.block_size
+        slot_correct = torch.zeros(size, dtype=torch.long, device=ce.device).index_add_(
+            0, batch.slot_number, correct.long()
+        )
+        slot_count = torch.bincount(batch.slot_number, minlength=size)
+        # Dense (blocks, B) tables for the leading-run acceptance proxy over full blocks.
+        dense_ok = torch.zeros(batch.num_blocks * size, dtype=torch.bool, device=ce.device)
+        dense_valid = torch.zeros_like(dense_ok)
+        flat_slot = batch.slot_block * size + batch.slot_number
+        dense_ok[flat_slot] = correct
+        dense_valid[flat_slot] = True
+        dense_ok = dense_ok.view(-1, size)[:, : size - 1]
+        full = dense_valid.view(-1, size)[:, : size - 1].all(-1)
+        run = dense_ok.long().cumprod(-1).sum(-1)  # (blocks,) leading correct slots
+        accept_sum = float((run[full] + 1).sum())
+        accept_blocks = int(full.sum())
+    return ObjectiveOutput(total, diff.detach(), ar.detach(), slot_correct, slot_count, accept_sum, accept_blocks)

@@ -1,0 +1,56 @@
+"""A drafter and its target, loaded together and checked against each other."""
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .drafter import load_drafter, validate_checkpoint
+from .target import check_pair, load_target, load_tokenizer, target_config_of
+
+
+@dataclass
+class Pair:
+    """A loaded drafter/target pair.
+
+    Attributes:
+        tokenizer: the target's tokenizer, or None when neither folder carries tokenizer files.
+        stop_ids: ids that end generation (the target's EOS ids).
+        max_positions: the smaller of the two models' context lengths.
+    """
+
+    drafter: torch.nn.Module
+    target: torch.nn.Module
+    tokenizer: object | None
+    stop_ids: tuple[int, ...]
+    max_positions: int
+
+
+def load_pair(
+    drafter_dir: str | os.PathLike,
+    target_path: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> Pair:
+    """Validate both checkpoints and their compatibility before loading any weights, then load them."""
+    drafter_config = validate_checkpoint(drafter_dir)
+    target_config = target_config_of(target_path)
+    tokenizer = load_tokenizer(target_path)
+    drafter_tokenizer = load_tokenizer(drafter_dir)
+    check_pair(drafter_config, target_config, drafter_tokenizer, tokenizer)
+    target = load_target(target_path, dtype, device)
+    drafter = load_drafter(drafter_dir, dtype, device)
+    max_positions = min(
+        getattr(target.config, "max_position_embeddings", 1 << 30),
+        getattr(drafter.config, "max_position_embeddings", 1 << 30),
+    )
+    return Pair(drafter, target, tokenizer or drafter_tokenizer, stop_ids_of(target, tokenizer), max_positions)
+
+
+def stop_ids_of(target: torch.nn.Module, tokenizer=None) -> tuple[int, ...]:
+    """EOS ids from the target's generation config, its config, or its tokenizer (in that order)."""
+    for source in (getattr(target, "generation_config", None), target.config, tokenizer):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            return tuple(sorted(set(eos if isinstance(eos, (list, tuple)) else [eos])))
+    return ()

@@ -1,0 +1,92 @@
+"""Load a target model (a local transformers folder or a GGUF file) and check it against a drafter."""
+
+import os
+from pathlib import Path
+
+import torch
+
+from .checkpoint import TOKENIZER_FILES, read_config_json
+from .drafter import MAX_BLOCK_SIZE, draft_vocab_limit
+from .errors import CheckpointError, CompatibilityError
+
+
+def load_target(
+    path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> torch.nn.Module:
+    """Load any causal LM from a local folder (safetensors) or a `.gguf` file, in eval mode.
+
+    Only local files are read: a name that is not an existing path is an error, never a hub download.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"target {path} does not exist; pass a local model folder or a .gguf file")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise CheckpointError(f"target {path} is a file but not a .gguf file; pass a model folder or a .gguf file")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=dtype, local_files_only=True
+        )
+    else:
+        read_config_json(path)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype, use_safetensors=True, local_files_only=True, trust_remote_code=False
+        )
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The tokenizer of a model folder or GGUF file, or None when the folder carries no tokenizer files."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def check_pair(drafter_config, target_config, drafter_tokenizer=None, target_tokenizer=None) -> None:
+    """Raise CompatibilityError unless the drafter can draft for the target.
+
+    Checks: the drafter's proposable ids are target ids, the mask id is not a real target token, both
+    tokenizers (when present) map every shared token to the same id, and the block size is sane.
+    """
+    target_vocab = target_config.vocab_size
+    real_tokens = len(target_tokenizer) if target_tokenizer is not None else target_vocab
+    limit = draft_vocab_limit(drafter_config)
+    mask_id = drafter_config.mask_token_id
+    block = drafter_config.block_size
+    if limit > max(target_vocab, real_tokens + 1) or drafter_config.vocab_size < real_tokens:
+        raise CompatibilityError(
+            f"vocabulary mismatch: the drafter has {drafter_config.vocab_size} ids ({limit} proposable), the target "
+            f"{real_tokens} real tokens; use a drafter trained for this target's tokenizer"
+        )
+    if mask_id < real_tokens:
+        raise CompatibilityError(
+            f"the drafter's mask_token_id {mask_id} is a real target token (the target has {real_tokens}); "
+            "the mask id must be an extra id >= the tokenizer size"
+        )
+    if not 2 <= block <= MAX_BLOCK_SIZE or block > getattr(target_config, "max_position_embeddings", block):
+        raise CompatibilityError(f"block_size {block} is not usable with this target; use 2..{MAX_BLOCK_SIZE}")
+    if drafter_tokenizer is not None and target_tokenizer is not None:
+        d_vocab, t_vocab = drafter_tokenizer.get_vocab(), target_tokenizer.get_vocab()
+        differing = [tok for tok, idx in t_vocab.items() if d_vocab.get(tok) != idx]
+        if differing:
+            raise CompatibilityError(
+                f"tokenizer mismatch: {len(differing)} target tokens have another id in the drafter's tokenizer "
+                f"(e.g. {differing[0]!r}); the drafter must share the target's tokenizer"
+            )
+
+
+def target_config_of(path: str | os.PathLike):
+    """The config of a target folder or GGUF file without loading weights."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if path.is_file():
+        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    read_config_json(path)
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)

@@ -1,0 +1,344 @@
+"""The training loop for the drafter objective: building the demo drafter and LoRA healing.
+
+`train(model, dataset, config)` runs AdamW with warmup + cosine/linear decay, gradient clipping and
+accumulation, optional bf16 autocast, on any device. Everything random comes from two seeded
+`torch.Generator`s (batch order, anchors), so a run is reproducible. Checkpoints (trainable weights,
+optimizer, scheduler, generator states, step, loss history) are written atomically to one folder as
+safetensors + JSON (no pickle); a later call with the same config resumes from it and ends with the same
+weights as an uninterrupted run. Only parameters with `requires_grad` are trained and checkpointed, so
+a peft-wrapped model trains its adapters only.
+"""
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .checkpoint import atomic_folder
+from .errors import CheckpointError, ConfigError
+from .objective import Example, build_batch, causal_lm, drafter_loss
+
+CHECKPOINT_STATE = "trainer_state.json"
+# Settings that may change between a run and its resumption without changing its result.
+RESUME_FREE_FIELDS = ("eval_every", "checkpoint_every", "checkpoint_dir", "resume", "progress")
+
+
+@dataclass
+class TrainConfig:
+    """Settings of one training run. Steps count optimizer updates.
+
+    Attributes:
+        steps: optimizer updates in the whole run.
+        batch_size: sequences per micro-batch.
+        grad_accum: micro-batches per optimizer update (effective batch = batch_size * grad_accum).
+        lr: peak learning rate, reached after `warmup_steps`.
+        min_lr_ratio: the schedule decays to lr * min_lr_ratio at the last step.
+        warmup_steps: linear warmup from 0.
+        schedule: "cosine", "linear" or "constant" after the warmup.
+        weight_decay: AdamW decay on matrices (norm weights and biases are not decayed).
+        beta1, beta2: AdamW betas.
+        grad_clip: clip the global gradient norm to this (0 disables).
+        bf16: run forward and backward under bfloat16 autocast (weights stay float32).
+        blocks_per_sequence: N, mask blocks per training sequence (fewer when the response is short).
+        gamma: slot weight decay, w_i = exp(-(i-1)/gamma).
+        ar_weight: lambda, weight of the autoregressive loss on the clean stream.
+        max_length: crop sequences to this many tokens.
+        pad_multiple: pad the query length of each batch to a multiple of this.
+        seed: seeds batch order and anchors.
+        eval_every: call the callback every this many steps (and after the last; 0 = only after the last).
+        checkpoint_every: save a checkpoint every this many steps (and after the last; 0 = only after the last).
+        checkpoint_dir: the checkpoint folder; None disables checkpoints.
+        resume: continue from `checkpoint_dir` when it holds a checkpoint of this config.
+        progress: show a progress bar on stderr.
+    """
+
+    steps: int = 1000
+    batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    schedule: str = "cosine"
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    bf16: bool = False
+    blocks_per_sequence: int = 16
+    gamma: float = 7.0
+    ar_weight: float = 1.0
+    max_length: int = 1024
+    pad_multiple: int = 16
+    seed: int = 0
+    eval_every: int = 0
+    checkpoint_every: int = 0
+    checkpoint_dir: str | None = None
+    resume: bool = True
+    progress: bool = True
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first bad setting."""
+        positive = ("steps", "batch_size", "grad_accum", "blocks_per_sequence", "max_length", "pad_multiple")
+        for name in positive:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"TrainConfig.{name} = {getattr(self, name)!r} must be a positive integer")
+        for name in ("warmup_steps", "eval_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"TrainConfig.{name} = {getattr(self, name)!r} must be >= 0")
+        if self.schedule not in ("cosine", "linear", "constant"):
+            raise ConfigError(f"TrainConfig.schedule = {self.schedule!r}; choose cosine, linear or constant")
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"lr {self.lr} must be > 0 and min_lr_ratio {self.min_lr_ratio} in [0, 1]")
+        if not self.gamma > 0 or self.ar_weight < 0 or self.grad_clip < 0:
+            raise ConfigError(f"gamma {self.gamma} must be > 0, ar_weight {self.ar_weight} and grad_clip "
+                              f"{self.grad_clip} >= 0")
+
+
+def lr_factor(step: int, config: TrainConfig) -> float:
+    """Multiplier of `config.lr` for optimizer update `step` (0-based)."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.schedule == "constant":
+        return 1.0
+    span = max(1, config.steps - config.warmup_steps - 1)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if config.schedule == "cosine" else 1 - progress
+    return config.min_lr_ratio + (1 - config.min_lr_ratio) * shape
+
+
+class _Sampler:
+    """Endless shuffled batches of dataset indices; each epoch is a fresh permutation."""
+
+    def __init__(self, size: int, batch_size: int, seed: int):
+        self.size, self.batch_size = size, batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.order = torch.randperm(size, generator=self.generator)
+        self.cursor = 0
+
+    def next(self) -> list[int]:
+        picked = []
+        while len(picked) < self.batch_size:
+            if self.cursor == self.size:
+                self.order, self.cursor = torch.randperm(self.size, generator=self.generator), 0
+            take = min(self.batch_size - len(picked), self.size - self.cursor)
+            picked += self.order[self.cursor : self.cursor + take].tolist()
+            self.cursor += take
+        return picked
+
+
+def train(
+    model: torch.nn.Module,
+    dataset: list[Example],
+    config: TrainConfig,
+    callback: Callable[[int, torch.nn.Module], dict | None] | None = None,
+    device: str | torch.device | None = None,
+) -> list[dict]:
+    """Train `model` on `dataset` with the drafter objective; return the loss history.
+
+    Args:
+        model: a drafter (plain or peft-wrapped); its config gives `block_size` and `mask_token_id`.
+        dataset: training sequences; the batch order is drawn from `config.seed`.
+        callback: `callback(step, model) -> dict | None`, called in eval mode under `no_grad` every
+            `config.eval_every` steps and after the last; a returned dict is merged into that step's record.
+        device: where to train (default: where the model is); the model is moved there.
+
+    Returns:
+        One dict per optimizer update: step (1-based), lr, loss, diff, ar, grad_norm, accept_proxy,
+        slot1_acc, seconds (wall time of the update), tokens (query rows processed), plus callback metrics.
+    """
+    config.validate()
+    if not dataset:
+        raise ConfigError("the training dataset is empty; generate distillation data first")
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    model.to(device)
+    lm_config = causal_lm(model).config
+    block_size, mask_id = lm_config.block_size, lm_config.mask_token_id
+
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not params:
+        raise ConfigError("the model has no trainable parameters")
+    groups = [
+        {"params": [p for _, p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for _, p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
+    sampler = _Sampler(len(dataset), config.batch_size, config.seed)
+    anchor_generator = torch.Generator().manual_seed(config.seed + 1)
+    history: list[dict] = []
+    step = 0
+    folder = Path(config.checkpoint_dir) if config.checkpoint_dir else None
+    if folder is not None and config.resume and (folder / CHECKPOINT_STATE).is_file():
+        step, history = _load_checkpoint(folder, config, params, optimizer, scheduler, sampler, anchor_generator)
+
+    mask_dtype = torch.bfloat16 if config.bf16 else None
+    model.train()
+    with _progress_bar(config.progress, config.steps, step) as advance:
+        while step < config.steps:
+            started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            sums = {"loss": 0.0, "diff": 0.0, "ar": 0.0, "tokens": 0}
+            correct = count = accept_sum = accept_blocks = 0
+            for _ in range(config.grad_accum):
+                examples = [dataset[i] for i in sampler.next()]
+                batch = build_batch(
+                    examples, block_size, mask_id, config.blocks_per_sequence, anchor_generator,
+                    max_length=config.max_length, pad_multiple=config.pad_multiple,
+                ).to(device, mask_dtype)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
+                    out = drafter_loss(model, batch, config.gamma, config.ar_weight)
+                (out.total / config.grad_accum).backward()
+                sums["loss"] += out.total.item() / config.grad_accum
+                sums["diff"] += out.diff.item() / config.grad_accum
+                sums["ar"] += out.ar.item() / config.grad_accum
+                sums["tokens"] += batch.input_ids.numel()
+                correct += int(out.slot_correct[0])
+                count += int(out.slot_count[0])
+                accept_sum += out.accept_sum
+                accept_blocks += out.accept_blocks
+            if not math.isfinite(sums["loss"]):
+                raise ConfigError(f"training diverged at step {step + 1} (loss {sums['loss']}); lower the learning "
+                                  "rate, or turn bf16 off")
+            trainable = [p for _, p in params]
+            if config.grad_clip > 0:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip))
+            else:
+                grad_norm = float(torch.linalg.vector_norm(torch.stack([
+                    torch.linalg.vector_norm(p.grad) for p in trainable if p.grad is not None])))
+            lr = optimizer.param_groups[0]["lr"]
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            record = {
+                "step": step, "lr": lr, **sums, "grad_norm": grad_norm,
+                "slot1_acc": correct / count if count else float("nan"),
+                "accept_proxy": accept_sum / accept_blocks if accept_blocks else float("nan"),
+                "seconds": time.perf_counter() - started,
+            }
+            history.append(record)
+            last = step == config.steps
+            if callback is not None and (last or (config.eval_every and step % config.eval_every == 0)):
+                model.eval()
+                with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
+                    record.update(callback(step, model) or {})
+                model.train()
+            if folder is not None and (last or (config.checkpoint_every and step % config.checkpoint_every == 0)):
+                _save_checkpoint(folder, config, step, history, params, optimizer, scheduler, sampler,
+                                 anchor_generator)
+            advance(record)
+    model.eval()
+    return history
+
+
+def _progress_bar(enabled: bool, total: int, done: int):
+    """Context manager yielding `advance(record)`; a rich bar on stderr, or nothing when disabled."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def bar():
+        if not enabled:
+            yield lambda record: None
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                   TextColumn("{task.fields[status]}"))
+        with Progress(*columns, console=Console(stderr=True)) as progress:
+            task = progress.add_task("train", total=total, completed=done, status="")
+            yield lambda record: progress.update(
+                task, advance=1, status=f"loss {record['loss']:.3f} acc1 {record['slot1_acc']:.3f}")
+
+    return bar()
+
+
+# ------------------------------------------------------------------------------------------------------
+# Checkpoints: trainable weights, optimizer tensors and RNG states as safetensors; the rest as JSON.
+# ------------------------------------------------------------------------------------------------------
+
+
+def _comparable(config: TrainConfig) -> dict:
+    return {k: v for k, v in asdict(config).items() if k not in RESUME_FREE_FIELDS}
+
+
+def _save_checkpoint(folder, config, step, history, params, optimizer, scheduler, sampler, anchors) -> None:
+    from safetensors.torch import save_file
+
+    weights = {name: p.detach().to("cpu").contiguous() for name, p in params}
+    opt = optimizer.state_dict()
+    opt_tensors = {
+        f"state.{index}.{key}": value.detach().to("cpu").contiguous()
+        for index, state in opt["state"].items()
+        for key, value in state.items()
+    }
+    rng = {
+        "sampler": sampler.generator.get_state(),
+        "sampler_order": sampler.order,
+        "anchors": anchors.get_state(),
+        "torch_cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            rng[f"torch_cuda_{i}"] = state
+    state = {
+        "step": step,
+        "sampler_cursor": sampler.cursor,
+        "config": asdict(config),
+        "param_names": [name for name, _ in params],
+        "optimizer_param_groups": opt["param_groups"],
+        "scheduler": scheduler.state_dict(),
+        "history": history,
+    }
+    with atomic_folder(folder, overwrite=True) as tmp:
+        save_file(weights, str(tmp / "trainable.safetensors"))
+        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+        save_file(rng, str(tmp / "rng.safetensors"))
+        (tmp / CHECKPOINT_STATE).write_text(json.dumps(state, indent=2, sort_keys=True))
+
+
+def _load_checkpoint(folder, config, params, optimizer, scheduler, sampler, anchors):
+    from safetensors.torch import load_file
+
+    try:
+        state = json.loads((folder / CHECKPOINT_STATE).read_text())
+        weights = load_file(str(folder / "trainable.safetensors"))
+        opt_tensors = load_file(str(folder / "optimizer.safetensors"))
+        rng = load_file(str(folder / "rng.safetensors"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {folder} cannot be read ({exc}); delete it to start over") from None
+    saved, current = state["config"], _comparable(config)
+    changed = sorted(k for k in current if saved.get(k) != current[k])
+    if changed:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in changed)
+        raise ConfigError(f"checkpoint {folder} was written with other settings ({detail}); use the same "
+                          "settings to resume, or another checkpoint folder (or resume=False) to start over")
+    names = [name for name, _ in params]
+    if state["param_names"] != names or set(weights) != set(names):
+        missing, extra = sorted(set(names) - set(weights)), sorted(set(weights) - set(names))
+        raise CheckpointError(f"checkpoint {folder} holds other trainable tensors (missing {missing[:3]}, "
+                              f"unexpected {extra[:3]}); it belongs to another model")
+    for name, p in params:
+        if tuple(weights[name].shape) != tuple(p.shape):
+            raise CheckpointError(f"checkpoint {folder}: {name} has shape {list(weights[name].shape)}, the model "
+                                  f"{list(p.shape)}; it belongs to another model")
+    with torch.no_grad():
+        for name, p in params:
+            p.copy_(weights[name])
+    opt_state: dict[int, dict] = {}
+    for key, value in opt_tensors.items():
+        _, index, field = key.split(".", 2)
+        opt_state.setdefault(int(index), {})[field] = value
+    optimizer.load_state_dict({"state": opt_state, "param_groups": state["optimizer_param_groups"]})
+    scheduler.load_state_dict(state["scheduler"])
+    sampler.generator.set_state(rng["sampler"])
+    sampler.order, sampler.cursor = rng["sampler_order"], state["sampler_cursor"]
+    anchors.set_state(rng["anchors"])
+    torch.set_rng_state(rng["torch_cpu"])
+    cuda_states = [rng[k] for k in sorted(rng) if k.startswith("torch_cuda_")]
+    if cuda_states and torch.cuda.is_available() and len(cuda_states) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda_states)
+    return state["step"], state["history"]

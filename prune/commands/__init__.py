@@ -1,0 +1,8 @@
+"""One module per `prune` subcommand; each defines `add_parser(subparsers)` and sets `run` as default.
+
+A command is listed here only once it works end to end.
+"""
+
+from . import bench, validate
+
+COMMANDS = (bench, validate)

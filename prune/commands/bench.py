@@ -1,0 +1,125 @@
+"""`prune bench`: acceptance length, speed and exactness of ar / sync / async on a prompt set."""
+
+import json
+import sys
+
+from ._common import add_command, add_debug, add_model_args, interactive, resolve_device, torch_dtype, write_json
+
+EXAMPLES = """
+examples:
+  prune bench --drafter DRAFTER --target TARGET --prompts prompts.jsonl --limit 10
+  prune bench --drafter DRAFTER --target TARGET --prompts p.jsonl --decoder async --verify replay --json -
+"""
+
+
+def add_parser(subparsers) -> None:
+    parser = add_command(
+        subparsers,
+        "bench",
+        help="measure acceptance length and speedup of ar, sync and async decoding",
+        description="Measure acceptance length (tau), time per token, speedup vs ar and exactness of the "
+        "ar, sync and async decoders on the same prompts, after a warm-up." + EXAMPLES,
+    )
+    add_model_args(parser)
+    add_prompt_args(parser)
+    parser.add_argument("--decoder", default="all", choices=("ar", "sync", "async", "all"),
+                        help="decoder to measure (ar always runs as the baseline)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens verified per round (default: the drafter's block_size)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = speculative sampling")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--verify", choices=("live", "replay"), default="live",
+                        help="live: run the target; replay: answer from the ar trajectory (greedy only)")
+    parser.add_argument("--packed-budget", type=int, default=64,
+                        help="async: query tokens the packed pass spends on candidate blocks")
+    parser.add_argument("--fan-out", type=int, default=3, help="async: most bonus guesses per outcome")
+    parser.add_argument("--sequential", action="store_true",
+                        help="async: run the verify and packed passes one after the other (debugging)")
+    parser.add_argument("--json", metavar="OUT", default=None, help="write the JSON report to OUT ('-' = stdout)")
+    parser.add_argument("--save-outputs", metavar="OUT.jsonl", default=None,
+                        help="write one JSON line per prompt and decoder with the output ids (and text)")
+    add_debug(parser)
+    parser.set_defaults(run=run)
+
+
+def add_prompt_args(parser) -> None:
+    parser.add_argument("--prompts", required=True, metavar="FILE.jsonl",
+                        help="JSONL prompts: records with prompt, messages or input_ids (optional id)")
+    parser.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt at most")
+    parser.add_argument("--no-chat-template", action="store_true",
+                        help="feed prompt text as is instead of through the tokenizer's chat template")
+
+
+def run(args) -> int:
+    from decode.bench import BenchConfig, run_bench
+    from decode.decoders import DECODERS, DecodeConfig
+    from decode.prompts import check_context
+    from decode.prompts import load_prompt_set
+    from models.pair import load_pair
+
+    device, dtype = resolve_device(args.device), torch_dtype(args.dtype)
+    pair = load_pair(args.drafter, args.target, dtype, device)
+    prompts = load_prompt_set(args.prompts, pair.tokenizer, args.limit, not args.no_chat_template)
+    check_context(prompts, args.max_new_tokens, pair.drafter.config.block_size, pair.max_positions)
+    decode = DecodeConfig(
+        max_new_tokens=args.max_new_tokens,
+        block_size=args.block_size,
+        temperature=args.temperature,
+        seed=args.seed,
+        stop_ids=pair.stop_ids,
+        packed_budget=args.packed_budget,
+        fan_out=args.fan_out,
+        concurrent=not args.sequential,
+    )
+    decoders = DECODERS if args.decoder == "all" else ("ar", args.decoder)
+    config = BenchConfig(decode=decode, decoders=decoders, verify=args.verify)
+    config.validate()
+
+    from prune.progress import progress_bar
+
+    total = len(prompts) * len(set(decoders))
+    with progress_bar("bench", total, enabled=interactive(args.json)) as advance:
+        report, outputs = run_bench(pair.drafter, pair.target, prompts, config, on_result=lambda *_: advance())
+    report["settings"].update({"drafter": str(args.drafter), "target": str(args.target), "prompts_file": args.prompts})
+    if args.save_outputs:
+        _save_outputs(args.save_outputs, prompts, outputs, pair.tokenizer)
+    write_json(report, args.json)
+    if args.json != "-":
+        print_table(report)
+    return 0
+
+
+def _save_outputs(path: str, prompts, outputs: dict, tokenizer) -> None:
+    with open(path, "w") as handle:
+        for decoder, results in outputs.items():
+            for prompt, result in zip(prompts, results):
+                line = {"id": prompt.id, "decoder": decoder, "output_ids": result.output_ids}
+                if tokenizer is not None:
+                    line["text"] = tokenizer.decode(result.output_ids, skip_special_tokens=False)
+                handle.write(json.dumps(line) + "\n")
+
+
+def print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"prune bench: {report['prompts']} prompts, verify={report['settings']['verify']}")
+    for column in ("decoder", "tau macro", "tau micro", "ms/token", "tokens/s", "speedup", "exact", "hit rate"):
+        table.add_column(column, justify="right")
+    for name, d in report["decoders"].items():
+        table.add_row(
+            name,
+            _fmt(d.get("tau_macro")), _fmt(d.get("tau_micro")), _fmt(d.get("time_per_token_ms")),
+            _fmt(d.get("tokens_per_s"), 1), _fmt(d.get("speedup_vs_ar")), _fmt(d.get("exact_match_vs_ar")),
+            _fmt(d.get("hit_rate")),
+        )
+    Console(file=sys.stdout).print(table)
+
+
+def _fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    return f"{value:.{digits}f}"

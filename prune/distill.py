@@ -1,0 +1,340 @@
+"""Distillation data: the target's own greedy responses to training prompts kept apart from evaluation.
+
+Prompts come from real text that no evaluation suite uses: functions, docstrings and code windows of the
+CPython standard library on this machine (code completion, explanation, tests, review, continuation,
+instruction-following on documentation), plus a small share of synthetic arithmetic word problems.
+None come from HumanEval, MT-Bench or CHAMP; when those suites load, any prompt that contains one of
+their prompts is dropped as well. Selection is a pure function of (stdlib contents, number, seed).
+
+Responses are the target's greedy continuations of the chat-templated prompt (templated exactly as the
+decoders do it, through `decode.prompts.tokenize_records`), batched with left padding, cut after the
+first EOS or at `max_new_tokens`. Output folder:
+
+    manifest.json        settings; a restart with other settings is refused
+    shard-00000.jsonl    one record per prompt: id, source, prompt, prompt_ids, response_ids, stopped
+    ...                  each shard is written atomically; a restarted run skips finished shards
+"""
+
+import ast
+import functools
+import hashlib
+import json
+import os
+import random
+import sysconfig
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "turtledemo",
+             "pydoc_data", "encodings", "lib2to3", "ensurepip", "config-3", "tkinter"}
+MAX_SNIPPET_LINES, MAX_SNIPPET_CHARS = 40, 1600
+
+CODE_TASKS = {
+    "complete": "Complete the following Python code:\n\n```python\n{head}\n```",
+    "explain": "Explain what this Python code does, step by step:\n\n```python\n{code}\n```",
+    "tests": "Write pytest unit tests for this function:\n\n```python\n{code}\n```",
+    "review": "Review this Python code. Point out possible bugs and suggest improvements:\n\n```python\n{code}\n```",
+    "annotate": "Add type hints and a clear docstring to this code:\n\n```python\n{code}\n```",
+}
+DOC_TASKS = {
+    "implement": "Write a Python function `{name}{args}` that does the following:\n\n{doc}",
+    "summarize": "Summarize the following documentation in two or three sentences:\n\n{doc}",
+    "beginner": "Explain this to someone who is new to programming:\n\n{doc}",
+    "keypoints": "Turn this description into a short numbered list of key points:\n\n{doc}",
+    "email": "Write a short email to a colleague recommending `{module}.{name}`. Its documentation says:\n\n{doc}",
+}
+CONTINUE_TASK = "Continue this Python module from where it stops:\n\n```python\n{window}\n```"
+
+
+def stdlib_files(stdlib_dir: str | os.PathLike | None = None) -> list[Path]:
+    """Python source files of the standard library, sorted by relative path (tests and vendored code excluded)."""
+    return list(_source_files(Path(stdlib_dir or sysconfig.get_paths()["stdlib"]).resolve()))
+
+
+@functools.lru_cache(maxsize=4)
+def _source_files(root: Path) -> tuple[Path, ...]:
+    files = [
+        path for path in root.rglob("*.py")
+        if not any(part in SKIP_DIRS or part.startswith("config-") for part in path.relative_to(root).parts[:-1])
+        and not path.name.startswith("test_")
+    ]
+    return tuple(sorted(files, key=lambda path: str(path.relative_to(root))))
+
+
+def _clip(lines: list[str]) -> str:
+    text = "\n".join(lines[:MAX_SNIPPET_LINES]).rstrip()
+    return text[:MAX_SNIPPET_CHARS]
+
+
+def _file_prompts(path: Path, root: Path, rng: random.Random, limit: int) -> list[dict]:
+    """Up to `limit` prompts drawn from one source file."""
+    try:
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source)
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return []
+    lines = source.splitlines()
+    module = str(path.relative_to(root).with_suffix("")).replace(os.sep, ".")
+    defs = [node for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and 4 <= node.end_lineno - node.lineno + 1 <= 80]
+    rng.shuffle(defs)
+    prompts = []
+    for node in defs:
+        if len(prompts) >= limit:
+            break
+        body = lines[node.lineno - 1 - len(node.decorator_list) : node.end_lineno]
+        indent = len(body[0]) - len(body[0].lstrip())
+        body = [line[indent:] for line in body]
+        doc = ast.get_docstring(node) or ""
+        doc = doc.split("\n\n")[0].strip()
+        if doc and len(doc) >= 40 and rng.random() < 0.5:
+            kind = rng.choice(sorted(DOC_TASKS))
+            args = "" if isinstance(node, ast.ClassDef) else "(" + ast.unparse(node.args) + ")"
+            text = DOC_TASKS[kind].format(name=node.name, args=args, doc=doc[:MAX_SNIPPET_CHARS], module=module)
+        else:
+            kind = rng.choice(sorted(CODE_TASKS))
+            cut = max(2, min(len(body) - 1, rng.randint(len(body) // 3, 2 * len(body) // 3)))
+            text = CODE_TASKS[kind].format(head=_clip(body[:cut]), code=_clip(body))
+        prompts.append({"id": f"{module}:{node.lineno}:{kind}", "source": f"stdlib/{kind}", "prompt": text})
+    if len(prompts) < limit and len(lines) > 30:
+        start = rng.randrange(0, len(lines) - 20)
+        window = _clip(lines[start : start + rng.randint(15, MAX_SNIPPET_LINES)])
+        if window.strip():
+            prompts.append({"id": f"{module}:{start + 1}:continue", "source": "stdlib/continue",
+                            "prompt": CONTINUE_TASK.format(window=window)})
+    return prompts
+
+
+def _math_prompt(rng: random.Random, index: int) -> dict:
+    a, b, c, n = rng.randint(12, 999), rng.randint(3, 97), rng.randint(100, 5000), rng.randint(2, 40)
+    texts = [
+        f"What is {a} * {b}? Show your work.",
+        f"Solve for x: {b}x + {a} = {c}. Explain each step.",
+        f"A shop sells notebooks for ${b} each. How much do {n} notebooks cost, and how much change is left "
+        f"from ${c}?",
+        f"Is {2 * a + 1} a prime number? Explain how you check.",
+        f"Find the greatest common divisor of {a * n} and {b * n}, and explain the method.",
+        f"A train travels {c} km in {n} hours at a constant speed. What is its speed in km per hour?",
+    ]
+    kind = rng.randrange(len(texts))
+    return {"id": f"math:{index}:{kind}", "source": "synthetic/math", "prompt": texts[kind]}
+
+
+def collect_training_prompts(
+    num_prompts: int, seed: int = 0, stdlib_dir: str | os.PathLike | None = None, math_share: float = 0.1
+) -> list[dict]:
+    """`num_prompts` distinct prompt records `{id, source, prompt}`, deterministic for (stdlib, seed).
+
+    Reads only as many files as needed: files are visited in a seeded order, a few prompts each, and the
+    pass repeats with more prompts per file when the library is exhausted.
+    """
+    from models.errors import DataError
+
+    root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"]).resolve()
+    files = stdlib_files(root)
+    if not files:
+        raise DataError(f"no Python source files under {root}; pass the standard library folder")
+    rng = random.Random(seed)
+    rng.shuffle(files)
+    num_math = int(round(num_prompts * math_share))
+    prompts, seen = [], set()
+    for index in range(num_math):
+        record = _math_prompt(rng, index)
+        if record["prompt"] not in seen:
+            seen.add(record["prompt"])
+            prompts.append(record)
+    per_file, visited = 2, 0
+    while len(prompts) < num_prompts:
+        for path in files:
+            file_rng = random.Random(f"{seed}:{per_file}:{path.relative_to(root)}")
+            for record in _file_prompts(path, root, file_rng, per_file):
+                if record["prompt"] not in seen and len(prompts) < num_prompts:
+                    seen.add(record["prompt"])
+                    prompts.append(record)
+            if len(prompts) >= num_prompts:
+                break
+        visited += 1
+        if visited > 6:
+            raise DataError(f"the standard library at {root} yields only {len(prompts)} distinct prompts; "
+                            f"ask for fewer than {num_prompts}")
+        per_file *= 2
+    random.Random(seed + 1).shuffle(prompts)
+    return prompts
+
+
+def evaluation_prompts() -> list[str] | None:
+    """Every prompt text of the built-in suites (all turns), or None when `decode.suites` is unavailable."""
+    try:
+        from decode.suites import load_suite
+    except ImportError:
+        return None
+    texts = []
+    for name in ("humaneval", "mtbench", "champ"):
+        for record in load_suite(name):
+            texts.append(record.get("prompt") or "")
+            texts.extend(record.get("turns") or [])
+            texts.extend(m.get("content", "") for m in record.get("messages") or [])
+    return [t.strip() for t in texts if t and t.strip()]
+
+
+def drop_evaluation_overlap(prompts: list[dict], eval_texts: list[str]) -> list[dict]:
+    """Prompts that contain no evaluation prompt (and equal none)."""
+    return [p for p in prompts if not any(text in p["prompt"] for text in eval_texts)]
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def generate_distillation_data(
+    target_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    num_prompts: int = 2000,
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    device: str = "cpu",
+    dtype: str = "float32",
+    seed: int = 0,
+    shard_size: int = 256,
+    progress: bool = True,
+    stdlib_dir: str | os.PathLike | None = None,
+) -> Path:
+    """Generate (or finish) a distillation data folder; returns `out_dir`.
+
+    Args:
+        target_dir: a target model folder with tokenizer files (e.g. `models.demo.resolve_demo_target()`).
+        num_prompts: training prompts; max_new_tokens: response cap (responses stop earlier at EOS).
+        batch_size: prompts per `generate` call; device, dtype ("float32" / "bfloat16"): where it runs.
+        seed: selects the prompts. shard_size: prompts per shard file (the unit of resumption).
+    """
+    import torch
+
+    from decode.prompts import tokenize_records
+    from models.checkpoint import sha256_file
+    from models.errors import CheckpointError, ConfigError, DataError
+    from models.target import load_target, load_tokenizer
+    from prune.progress import progress_bar
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:
+        raise ConfigError(f"dtype {dtype!r} is not supported; choose one of {', '.join(dtypes)} (--dtype)")
+    if min(num_prompts, max_new_tokens, batch_size, shard_size) < 1:
+        raise ConfigError("num_prompts, max_new_tokens, batch_size and shard_size must all be >= 1")
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    tokenizer = load_tokenizer(target_dir)
+    if tokenizer is None:
+        raise DataError(f"target {target_dir} has no tokenizer files; distillation needs the target's tokenizer")
+
+    eval_texts = evaluation_prompts()
+    asked = num_prompts
+    while True:  # ask for more when the evaluation filter dropped some (it almost never does)
+        prompts = collect_training_prompts(asked, seed, stdlib_dir)
+        kept = drop_evaluation_overlap(prompts, eval_texts) if eval_texts is not None else prompts
+        if len(kept) >= num_prompts:
+            break
+        asked += 2 * (num_prompts - len(kept))
+    prompts = kept[:num_prompts]
+    weights = target_dir / "model.safetensors"
+    settings = {
+        "format": FORMAT_VERSION,
+        "target_weights_sha256": sha256_file(weights) if weights.is_file() else None,
+        "num_prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "dtype": dtype,
+        "seed": seed,
+        "shard_size": shard_size,
+        "prompts_sha256": _digest([p["prompt"] for p in prompts]),
+    }
+    manifest = out_dir / MANIFEST
+    if manifest.is_file():
+        old = json.loads(manifest.read_text())
+        changed = sorted(k for k in settings if old.get(k) != settings[k])
+        if changed:
+            raise CheckpointError(f"{out_dir} holds distillation data made with other settings ({', '.join(changed)});"
+                                  " rerun with the same settings to finish it, or choose another output folder")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record = {**settings, "target": str(target_dir), "eval_filter": eval_texts is not None,
+              "eval_prompts_checked": len(eval_texts or []), "shards": -(-len(prompts) // shard_size)}
+    _write_atomic(manifest, json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+    records = [{**p, "prompt_ids": ids.input_ids}
+               for p, ids in zip(prompts, tokenize_records([{"id": p["id"], "prompt": p["prompt"]} for p in prompts],
+                                                           tokenizer))]
+    shards = [records[i : i + shard_size] for i in range(0, len(records), shard_size)]
+    todo = [n for n in range(len(shards)) if not (out_dir / f"shard-{n:05d}.jsonl").is_file()]
+    if not todo:
+        return out_dir
+    model = load_target(target_dir, dtype=dtypes[dtype], device=device)
+    eos = _eos_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    done = sum(len(shards[n]) for n in range(len(shards)) if n not in todo)
+    with progress_bar("distill", len(records), progress) as advance:
+        advance(done)
+        for n in todo:
+            shard = shards[n]
+            order = sorted(range(len(shard)), key=lambda i: len(shard[i]["prompt_ids"]))
+            for start in range(0, len(order), batch_size):
+                rows = [shard[i] for i in order[start : start + batch_size]]
+                responses = _generate(model, [r["prompt_ids"] for r in rows], max_new_tokens, eos, pad_id, device)
+                for row, (ids, stopped) in zip(rows, responses):
+                    row["response_ids"], row["stopped"] = ids, stopped
+                advance(len(rows))
+            _write_atomic(out_dir / f"shard-{n:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in shard))
+    return out_dir
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    return eos
+
+
+def _generate(model, prompts: list[list[int]], max_new_tokens: int, eos: list[int], pad_id: int, device):
+    """Greedy responses `[(ids, stopped_at_eos)]` for a left-padded batch of prompt id lists."""
+    import torch
+    from transformers import GenerationConfig
+
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, ids in enumerate(prompts):
+        input_ids[r, width - len(ids) :] = torch.tensor(ids)
+        attention[r, width - len(ids) :] = 1
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad_id)
+    with torch.no_grad():
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                             generation_config=config)
+    results = []
+    for row in out[:, width:].tolist():
+        cut = next((i for i, tok in enumerate(row) if tok in eos), None)
+        results.append((row[: cut + 1], True) if cut is not None else (row, False))
+    return results
+
+
+def load_distillation_data(folder: str | os.PathLike) -> list[dict]:
+    """All records of a finished distillation folder, in prompt order."""
+    from models.errors import DataError
+
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file():
+        raise DataError(f"{folder} has no {MANIFEST}; generate distillation data there first")
+    manifest = json.loads((folder / MANIFEST).read_text())
+    records = []
+    for n in range(manifest["shards"]):
+        shard = folder / f"shard-{n:05d}.jsonl"
+        if not shard.is_file():
+            raise DataError(f"{folder} is incomplete ({shard.name} is missing); rerun the generation to finish it")
+        records += [json.loads(line) for line in shard.read_text().splitlines() if line.strip()]
+    return records
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.partial")
+    tmp.write_text(text)
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,254 @@
+"""Build the demo drafter from scratch: a 36-layer Qwen3 block-diffusion drafter for the demo target.
+
+    python -m prune.train_drafter --data DIR --out DIR [--steps N] [--device cuda] ...
+
+`--data` is a folder written by `prune.distill.generate_distillation_data` (the target's greedy responses).
+The drafter shares the target's tokenizer: vocab = target vocab + 1 mask id, padded to a multiple of 64
+(`draft_vocab_size` = the target vocab, so the mask id and the padding are never proposed). Its embedding
+starts from the target's embedding projected onto its top principal components (see `pca_embedding`).
+A held-out slice of the data is scored every `--eval-every` steps (per-slot accuracy and the
+leading-run acceptance proxy); `train_demo_drafter(..., eval_fn=...)` adds a real tau. The run is
+resumable from `--checkpoint-dir`; the result is saved in bfloat16 with the target's tokenizer files.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+DEFAULTS = dict(
+    steps=2000, batch_size=16, grad_accum=1, lr=1.5e-3, warmup_steps=100, blocks_per_sequence=16,
+    max_length=512, gamma=7.0, ar_weight=1.0, seed=0, layers=36, hidden_size=192, intermediate_size=576,
+    heads=3, kv_heads=1, head_dim=64, block_size=16, eval_size=64, eval_every=100, checkpoint_every=100,
+)
+
+
+def padded_vocab(real_vocab: int, multiple: int = 64) -> int:
+    """Rows of the drafter's embedding: the real ids, one mask id, rounded up to `multiple`."""
+    return -(-(real_vocab + 1) // multiple) * multiple
+
+
+def parameter_count(vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+                    head_dim: int) -> int:
+    """Parameters of a Qwen3 drafter with tied embeddings (what the safetensors file stores)."""
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads) + 2 * head_dim  # q, o, k, v; q/k norms
+    per_layer = attention + 3 * hidden * intermediate + 2 * hidden
+    return vocab * hidden + layers * per_layer + hidden
+
+
+def pca_embedding(source, width: int, std: float):
+    """Project `source` `(vocab, d)` onto its top-`width` principal components; rescale to `std`.
+
+    Deterministic (eigh of the d x d covariance, each component's sign fixed so its largest entry is
+    positive). Returns float32 `(vocab, width)` and the fraction of variance kept.
+    """
+    import torch
+
+    x = source.detach().float()
+    x = x - x.mean(0, keepdim=True)
+    values, vectors = torch.linalg.eigh(x.T @ x / x.shape[0])  # ascending
+    vectors = vectors[:, -width:].flip(-1)
+    signs = torch.sign(vectors[vectors.abs().argmax(0), torch.arange(vectors.shape[1])])
+    projected = x @ (vectors * signs)
+    kept = float(values[-width:].sum() / values.sum())
+    return projected * (std / projected.std()), kept
+
+
+def load_examples(folder: str | Path):
+    """Distillation records as training `Example`s (prompt unsupervised, response supervised)."""
+    from models.objective import Example
+    from prune.distill import load_distillation_data
+
+    records = load_distillation_data(folder)
+    return [Example.from_prompt_response(r["prompt_ids"], r["response_ids"]) for r in records if r["response_ids"]]
+
+
+def heldout_callback(examples, config, eval_fn=None, batch_size: int = 16):
+    """A `train` callback: loss, per-slot accuracy and acceptance proxy on `examples` with fixed anchors."""
+    import torch
+
+    from models.objective import build_batch, causal_lm, drafter_loss
+
+    def callback(step, model):
+        if not examples:
+            return (eval_fn(model, step) or {}) if eval_fn is not None else {}
+        lm = causal_lm(model)
+        device = next(lm.parameters()).device
+        generator = torch.Generator().manual_seed(config.seed + 12345)  # same anchors at every evaluation
+        correct = count = 0
+        totals = {"diff": 0.0, "ar": 0.0, "accept_sum": 0.0, "accept_blocks": 0}
+        for start in range(0, len(examples), batch_size):
+            batch = build_batch(examples[start : start + batch_size], lm.config.block_size, lm.config.mask_token_id,
+                                config.blocks_per_sequence, generator, max_length=config.max_length)
+            out = drafter_loss(model, batch.to(device, torch.bfloat16 if config.bf16 else None), config.gamma,
+                               config.ar_weight)
+            n = len(examples[start : start + batch_size])
+            totals["diff"] += out.diff.item() * n / len(examples)
+            totals["ar"] += out.ar.item() * n / len(examples)
+            totals["accept_sum"] += out.accept_sum
+            totals["accept_blocks"] += out.accept_blocks
+            correct, count = correct + out.slot_correct.cpu(), count + out.slot_count.cpu()
+        accuracy = (correct.float() / count.clamp_min(1).float()).tolist()
+        metrics = {
+            "eval_diff": totals["diff"], "eval_ar": totals["ar"], "eval_slot_acc": [round(a, 4) for a in accuracy],
+            "eval_accept_proxy": totals["accept_sum"] / max(1, totals["accept_blocks"]),
+        }
+        print(f"step {step}: held-out diff {metrics['eval_diff']:.3f} ar {metrics['eval_ar']:.3f} "
+              f"acc1 {accuracy[0]:.3f} acc4 {accuracy[min(3, len(accuracy) - 1)]:.3f} "
+              f"accept proxy {metrics['eval_accept_proxy']:.3f}", file=sys.stderr)
+        if eval_fn is not None:
+            metrics.update(eval_fn(model, step) or {})
+        return metrics
+
+    return callback
+
+
+def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
+    """Build, train and save the drafter described by `args` (the parsed CLI flags); return the folder."""
+    import shutil
+
+    import torch
+
+    from models.checkpoint import ensure_writable_output
+    from models.drafter import create_drafter, save_drafter
+    from models.errors import ConfigError, DataError
+    from models.target import load_target, load_tokenizer
+    from models.training import TrainConfig, train
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
+    out = ensure_writable_output(args.out, args.overwrite)
+    manifest = json.loads((Path(args.data) / "manifest.json").read_text()) if (Path(args.data) / "manifest.json"
+                                                                              ).is_file() else {}
+    target_dir = Path(args.target or manifest.get("target") or "")
+    tokenizer = load_tokenizer(target_dir) if target_dir.is_dir() else None
+    if tokenizer is None:
+        raise DataError(f"target folder {str(target_dir) or '(none)'} has no tokenizer; pass --target, the folder "
+                        "the distillation data was generated with")
+    real_vocab = len(tokenizer)
+    vocab = padded_vocab(real_vocab)
+    sizes = dict(hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+                 num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                 head_dim=args.head_dim)
+    params = parameter_count(vocab, args.hidden_size, args.intermediate_size, args.layers, args.heads,
+                             args.kv_heads, args.head_dim)
+    print(f"drafter: {args.layers} layers, hidden {args.hidden_size}, vocab {vocab} (mask id {real_vocab}), "
+          f"{params / 1e6:.2f} M parameters = {2 * params / 1e6:.1f} MB in bfloat16", file=sys.stderr)
+    if 2 * params > args.max_mb * 1e6:
+        raise ConfigError(f"the drafter would take {2 * params / 1e6:.1f} MB in bfloat16, over --max-mb "
+                          f"{args.max_mb}; lower --hidden-size or --intermediate-size")
+
+    model = create_drafter(vocab_size=vocab, mask_token_id=real_vocab, block_size=args.block_size,
+                           draft_vocab_size=real_vocab, seed=args.seed, tie_word_embeddings=True, **sizes)
+    init_note = "random"
+    if args.init_embeddings == "pca":
+        target = load_target(target_dir)
+        table, kept = pca_embedding(target.get_input_embeddings().weight, args.hidden_size,
+                                    model.config.initializer_range)
+        rows = min(table.shape[0], real_vocab)
+        with torch.no_grad():
+            model.get_input_embeddings().weight[:rows].copy_(table[:rows])
+        init_note = f"pca of the target embedding ({kept:.3f} of its variance)"
+        del target
+    print(f"embedding init: {init_note}", file=sys.stderr)
+
+    examples = load_examples(args.data)
+    if len(examples) <= args.eval_size:
+        raise DataError(f"{args.data} holds {len(examples)} usable sequences, not more than --eval-size "
+                        f"{args.eval_size}; generate more data or lower --eval-size")
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    heldout = [examples[i] for i in order[: args.eval_size]]
+    training = [examples[i] for i in order[args.eval_size :]]
+    checkpoint_dir = Path(args.checkpoint_dir or f"{out}-checkpoints")
+    config = TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+        warmup_steps=args.warmup_steps, blocks_per_sequence=args.blocks_per_sequence, max_length=args.max_length,
+        gamma=args.gamma, ar_weight=args.ar_weight, seed=args.seed, bf16=bf16, eval_every=args.eval_every,
+        checkpoint_every=args.checkpoint_every, checkpoint_dir=str(checkpoint_dir), progress=not args.no_progress,
+    )
+    start = time.perf_counter()
+    history = train(model, training, config, callback=heldout_callback(heldout, config, eval_fn), device=device)
+    seconds = time.perf_counter() - start
+    final = next((r for r in reversed(history) if "eval_slot_acc" in r), {})
+    provenance = {
+        "what": "d3d-prune demo drafter, trained from scratch by prune.train_drafter",
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "overwrite", "no_progress")},
+        "train_config": {k: v for k, v in vars(config).items()},
+        "device": str(device), "torch_version": torch.__version__, "parameters": params,
+        "embedding_init": init_note, "data_manifest": manifest, "train_sequences": len(training),
+        "heldout_sequences": len(heldout), "train_seconds_this_call": round(seconds, 1), "final_eval": final,
+        "history": [r for r in history if r["step"] % max(1, args.steps // 500) == 0 or "eval_slot_acc" in r],
+    }
+    folder = save_drafter(model.float().cpu(), out, tokenizer_source=target_dir, overwrite=args.overwrite,
+                          dtype=torch.bfloat16,
+                          extra_files={"training.json": json.dumps(provenance, indent=2, sort_keys=True) + "\n"})
+    if not args.keep_checkpoints:
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)
+    print(f"saved the drafter to {folder}", file=sys.stderr)
+    return folder
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = DEFAULTS
+    p = argparse.ArgumentParser(
+        prog="python -m prune.train_drafter", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a block-diffusion drafter from scratch on distillation data of its target.",
+    )
+    p.add_argument("--data", required=True, help="distillation data folder (prune.distill output)")
+    p.add_argument("--out", required=True, help="output drafter folder (must not exist, or use --overwrite)")
+    p.add_argument("--target", default=None, help="target model folder (default: the one named in the data manifest)")
+    p.add_argument("--steps", type=int, default=d["steps"], help="optimizer updates")
+    p.add_argument("--batch-size", type=int, default=d["batch_size"], help="sequences per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=d["grad_accum"], help="micro-batches per update")
+    p.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate (AdamW, cosine decay)")
+    p.add_argument("--warmup-steps", type=int, default=d["warmup_steps"], help="linear warmup updates")
+    p.add_argument("--blocks-per-sequence", type=int, default=d["blocks_per_sequence"],
+                   help="mask blocks at random anchors per sequence")
+    p.add_argument("--max-length", type=int, default=d["max_length"], help="crop sequences to this many tokens")
+    p.add_argument("--gamma", type=float, default=d["gamma"], help="slot weight decay w_i = exp(-(i-1)/gamma)")
+    p.add_argument("--ar-weight", type=float, default=d["ar_weight"], help="lambda, weight of the AR loss")
+    p.add_argument("--seed", type=int, default=d["seed"], help="seeds weights, data split, batches and anchors")
+    p.add_argument("--layers", type=int, default=d["layers"], help="decoder layers")
+    p.add_argument("--hidden-size", type=int, default=d["hidden_size"], help="model width")
+    p.add_argument("--intermediate-size", type=int, default=d["intermediate_size"], help="MLP width")
+    p.add_argument("--heads", type=int, default=d["heads"], help="attention heads")
+    p.add_argument("--kv-heads", type=int, default=d["kv_heads"], help="key/value heads")
+    p.add_argument("--head-dim", type=int, default=d["head_dim"], help="width of one head")
+    p.add_argument("--block-size", type=int, default=d["block_size"], help="B, mask slots per block")
+    p.add_argument("--init-embeddings", choices=("pca", "random"), default="pca",
+                   help="start the embedding from the target's (PCA projection) or at random")
+    p.add_argument("--max-mb", type=float, default=60.0, help="refuse drafters larger than this in bfloat16")
+    p.add_argument("--eval-size", type=int, default=d["eval_size"], help="held-out sequences for evaluation")
+    p.add_argument("--eval-every", type=int, default=d["eval_every"], help="evaluate every N updates (0: at the end)")
+    p.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"],
+                   help="checkpoint every N updates (0: at the end)")
+    p.add_argument("--checkpoint-dir", default=None, help="checkpoint folder (default: OUT-checkpoints); "
+                   "an interrupted run with the same flags resumes from it")
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep the checkpoint folder after saving")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bfloat16 autocast (default: on for CUDA, off for CPU)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from models.errors import D3DError
+
+    try:
+        train_demo_drafter(args)
+    except D3DError as exc:
+        print(f"Error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

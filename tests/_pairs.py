@@ -1,0 +1,86 @@
+"""Tiny drafter/target pairs for decoder tests, built in seconds on the CPU.
+
+- `tiny_target`: a random Llama (grouped-query attention) over the tiny vocabulary of conftest.
+- `constant_pair`: a target that always predicts one token and a drafter that always drafts it (every
+  draft accepted) or always drafts another (none accepted): the extremes of transformers' assisted
+  decoding tests.
+- `trained_drafter`: a drafter trained for a few hundred steps on the target's own greedy outputs, so
+  acceptance lengths, hits and misses all occur.
+"""
+
+import functools
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import TINY_REAL_VOCAB, build_tiny_drafter
+
+
+def tiny_target(seed: int = 1, layers: int = 2) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=TINY_REAL_VOCAB,
+        hidden_size=48,
+        intermediate_size=53,
+        num_hidden_layers=layers,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def bigram_target(seed: int = 1) -> LlamaForCausalLM:
+    """A target whose next token depends only on the current one (silent layers): easy to draft for."""
+    target = tiny_target(seed)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return target
+
+
+def _constant_head(model, token: int, embed_vector: torch.Tensor) -> None:
+    """Make `model` predict `token` at every position: constant embeddings, silent layers, one head row."""
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(embed_vector.expand_as(model.get_input_embeddings().weight))
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        head = model.get_output_embeddings().weight
+        head.mul_(0.01)
+        head[token] = 10 * torch.sign(embed_vector)
+
+
+def constant_pair(block_size: int, drafted: int, predicted: int = 7):
+    """(target, drafter): the target always predicts `predicted`; the drafter always drafts `drafted`."""
+    target = tiny_target()
+    drafter = build_tiny_drafter(num_hidden_layers=2, block_size=block_size)
+    vector = torch.ones(48)
+    _constant_head(target, predicted, vector)
+    _constant_head(drafter, drafted, torch.ones(32))
+    drafter.get_output_embeddings().weight.data[drafter.config.mask_token_id] = 0
+    return target, drafter
+
+
+@functools.lru_cache(maxsize=None)
+def trained_drafter(block_size: int = 8, steps: int = 150, seed: int = 0):
+    """A 2-layer drafter trained on greedy continuations of `tiny_target()`; returns (target, drafter)."""
+    from decode.decoders import DecodeConfig, decode_ar
+    from models.objective import Example
+    from models.training import TrainConfig, train
+
+    target = bigram_target()
+    generator = torch.Generator().manual_seed(seed)
+    examples = []
+    for _ in range(32):
+        prompt = torch.randint(0, TINY_REAL_VOCAB, (int(torch.randint(1, 12, (1,), generator=generator)),),
+                               generator=generator).tolist()
+        response = decode_ar(target, prompt, DecodeConfig(max_new_tokens=40)).output_ids
+        examples.append(Example.from_prompt_response(prompt, response))
+    drafter = build_tiny_drafter(num_hidden_layers=2, block_size=block_size, seed=seed)
+    config = TrainConfig(steps=steps, batch_size=16, lr=3e-3, warmup_steps=20, blocks_per_sequence=8,
+                         max_length=64, seed=seed, progress=False)
+    train(drafter, examples, config)
+    return target, drafter.eval()

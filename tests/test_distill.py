@@ -1,0 +1,126 @@
+"""Distillation data: prompts disjoint from evaluation, deterministic, and resumable generation."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from prune.distill import collect_training_prompts, generate_distillation_data, load_distillation_data
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+FAKE_MODULE = '''
+def add(a, b):
+    """Return the sum of two numbers, converting strings to integers first when needed."""
+    if isinstance(a, str):
+        a = int(a)
+    return a + b
+
+
+class Counter:
+    """Count how many times each hashable item was seen, like a tiny multiset container."""
+
+    def __init__(self):
+        self.items = {}
+
+    def add(self, item):
+        self.items[item] = self.items.get(item, 0) + 1
+        return self.items[item]
+'''
+
+
+def test_no_evaluation_prompt_in_training_prompts():
+    try:
+        from decode.suites import load_suite  # noqa: F401
+    except ImportError:
+        pytest.skip("decode.suites is not available yet, so there are no evaluation prompts to compare")
+    from models.errors import D3DError
+    from prune.distill import evaluation_prompts
+
+    try:
+        eval_texts = evaluation_prompts()
+    except D3DError as exc:
+        pytest.skip(f"evaluation suites cannot be loaded here ({exc})")
+    assert len(eval_texts) > 400
+    prompts = [p["prompt"] for p in collect_training_prompts(600, seed=0)]
+    leaks = [(e[:60], p[:60]) for e in eval_texts for p in prompts if e in p]
+    assert not leaks
+
+
+def test_prompt_selection_is_deterministic():
+    first = collect_training_prompts(40, seed=3)
+    assert first == collect_training_prompts(40, seed=3)
+    assert first != collect_training_prompts(40, seed=4)
+    assert len({p["prompt"] for p in first}) == 40
+    assert {"synthetic/math"} < {p["source"] for p in first}
+
+
+def make_tiny_target(folder):
+    """A random 2-layer Llama with a byte-level tokenizer and a ChatML template, saved to `folder`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {char: i for i, char in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|pad|>",
+                                        additional_special_tokens=["<|im_start|>"])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def test_generation_writes_shards_and_a_restart_skips_them(tmp_path, monkeypatch):
+    target = make_tiny_target(tmp_path / "target")
+    stdlib = tmp_path / "stdlib"
+    stdlib.mkdir()
+    (stdlib / "alpha.py").write_text(FAKE_MODULE)
+    (stdlib / "beta.py").write_text(FAKE_MODULE.replace("add", "merge").replace("Counter", "Tally"))
+    out = tmp_path / "data"
+    kwargs = dict(num_prompts=6, max_new_tokens=4, batch_size=2, seed=0, shard_size=4, progress=False,
+                  stdlib_dir=stdlib)
+    generate_distillation_data(target, out, **kwargs)
+    shards = sorted(p.name for p in out.glob("shard-*.jsonl"))
+    assert shards == ["shard-00000.jsonl", "shard-00001.jsonl"]
+    records = load_distillation_data(out)
+    assert len(records) == 6
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    for record in records:
+        assert 1 <= len(record["response_ids"]) <= 4
+        text = tokenizer.decode(record["prompt_ids"])
+        assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
+        assert record["prompt"] in text
+
+    # Restart after losing the second shard: the first is skipped, the second regenerated identically.
+    first = out / "shard-00000.jsonl"
+    before = (first.stat().st_ino, first.stat().st_mtime_ns)
+    lost = (out / "shard-00001.jsonl").read_text()
+    os.remove(out / "shard-00001.jsonl")
+    calls = []
+    import prune.distill as distill
+
+    real = distill._generate
+    monkeypatch.setattr(distill, "_generate", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    generate_distillation_data(target, out, **kwargs)
+    assert (first.stat().st_ino, first.stat().st_mtime_ns) == before
+    assert (out / "shard-00001.jsonl").read_text() == lost
+    assert sum(calls) == 2  # only the two prompts of the lost shard
+    # A finished folder needs no model at all; other settings are refused.
+    monkeypatch.setattr("models.target.load_target", lambda *a, **k: pytest.fail("model loaded"))
+    generate_distillation_data(target, out, **kwargs)
+    from models.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="max_new_tokens"):
+        generate_distillation_data(target, out, **{**kwargs, "max_new_tokens": 5})
+    assert json.loads((out / "manifest.json").read_text())["num_prompts"] == 6
