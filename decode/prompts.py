@@ -101,9 +101,9 @@ def check_context(prompts: list[Prompt], max_new_tokens: int, block_size: int, m
             )
 
 
-def load_prompt_set(source: str, tokenizer=None, limit: int | None = None, chat_template: bool = True) -> list[Prompt]:
-    """Prompts from a JSONL file path, tokenized, truncated to the first `limit`."""
+
+def select_records(records: list[dict], limit: int | None = None) -> list[dict]:
+    """The first `limit` records (all when None)."""
     if limit is not None and limit < 1:
         raise DataError(f"--limit {limit} must be at least 1")
-    records = read_prompt_file(source)
-    return tokenize_records(records[:limit] if limit else records, tokenizer, chat_template)
+    return records[:limit] if limit else records

@@ -41,7 +41,7 @@ def test_no_evaluation_prompt_in_training_prompts():
     from prune.distill import evaluation_prompts
 
     try:
-        eval_texts = evaluation_prompts()
+        eval_texts = evaluation_prompts(strict=True)
     except D3DError as exc:
         pytest.skip(f"evaluation suites cannot be loaded here ({exc})")
     assert len(eval_texts) > 400

@@ -27,6 +27,14 @@ def add_model_args(parser, target: bool = True) -> None:
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
 
 
+def quiet_libraries() -> None:
+    """Silence transformers' own progress bars and info logs; our progress goes to stderr."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
 def torch_dtype(name: str):
     import torch
 

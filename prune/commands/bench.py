@@ -3,7 +3,16 @@
 import json
 import sys
 
-from ._common import add_command, add_debug, add_model_args, interactive, resolve_device, torch_dtype, write_json
+from ._common import (
+    add_command,
+    add_debug,
+    add_model_args,
+    interactive,
+    quiet_libraries,
+    resolve_device,
+    torch_dtype,
+    write_json,
+)
 
 EXAMPLES = """
 examples:
@@ -55,12 +64,14 @@ def run(args) -> int:
     from decode.bench import BenchConfig, run_bench
     from decode.decoders import DECODERS, DecodeConfig
     from decode.prompts import check_context
-    from decode.prompts import load_prompt_set
+    from decode.prompts import read_prompt_file, select_records, tokenize_records
     from models.pair import load_pair
 
+    quiet_libraries()
     device, dtype = resolve_device(args.device), torch_dtype(args.dtype)
+    records = select_records(read_prompt_file(args.prompts), args.limit)
     pair = load_pair(args.drafter, args.target, dtype, device)
-    prompts = load_prompt_set(args.prompts, pair.tokenizer, args.limit, not args.no_chat_template)
+    prompts = tokenize_records(records, pair.tokenizer, not args.no_chat_template)
     check_context(prompts, args.max_new_tokens, pair.drafter.config.block_size, pair.max_positions)
     decode = DecodeConfig(
         max_new_tokens=args.max_new_tokens,

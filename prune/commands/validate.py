@@ -1,6 +1,6 @@
 """`prune validate`: check a drafter checkpoint (and optionally its pairing with a target) without decoding."""
 
-from ._common import add_command, add_debug, write_json
+from ._common import add_command, add_debug, quiet_libraries, write_json
 
 
 def add_parser(subparsers) -> None:
@@ -23,6 +23,7 @@ def run(args) -> int:
     from models.drafter import validate_checkpoint
     from models.target import check_pair, load_tokenizer, target_config_of
 
+    quiet_libraries()
     config = validate_checkpoint(args.drafter)
     summary = {
         "drafter": args.drafter,

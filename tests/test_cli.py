@@ -1,0 +1,121 @@
+"""The `prune` CLI: help, JSON output, exit codes and one-line errors for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _pairs import tiny_target
+from conftest import build_tiny_drafter
+from models.drafter import save_drafter
+from prune.cli import main
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    target = tiny_target()
+    target.config.eos_token_id = 3
+    target.save_pretrained(root / "target")
+    save_drafter(build_tiny_drafter(num_hidden_layers=2, block_size=4), root / "drafter")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "input_ids": list(range(5, 9 + i))}) for i in range(3)))
+    return root
+
+
+def bench_args(root, *extra):
+    return ["bench", "--drafter", str(root / "drafter"), "--target", str(root / "target"),
+            "--prompts", str(root / "prompts.jsonl"), "--max-new-tokens", "12", *extra]
+
+
+def test_help_lists_working_commands_without_importing_torch():
+    code = "import sys; from prune.cli import build_parser; h = build_parser().format_help(); " \
+           "print(h); assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "bench" in out and "validate" in out
+    help_text = subprocess.run([sys.executable, "-m", "prune", "bench", "--help"], capture_output=True, text=True)
+    assert help_text.returncode == 0 and "--max-new-tokens" in help_text.stdout and "default: 128" in help_text.stdout
+
+
+def test_bench_json_report(pair_dirs, capsys, tmp_path):
+    outputs = tmp_path / "out.jsonl"
+    assert main(bench_args(pair_dirs, "--json", "-", "--save-outputs", str(outputs))) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["prompts"] == 3 and set(report["decoders"]) == {"ar", "sync", "async"}
+    for name in ("sync", "async"):
+        entry = report["decoders"][name]
+        assert entry["exact_match_vs_ar"] is True
+        for key in ("tau_macro", "tau_micro", "tokens_per_s", "time_per_token_ms", "speedup_vs_ar",
+                    "acceptance_histogram", "per_position_acceptance"):
+            assert key in entry
+    assert report["decoders"]["ar"]["exact_match_vs_ar"] is None
+    for key in ("hit_rate", "fallback_rate", "packed_tokens_mean", "time_split_ms"):
+        assert key in report["decoders"]["async"]
+    lines = [json.loads(line) for line in outputs.read_text().splitlines()]
+    assert len(lines) == 9 and {line["decoder"] for line in lines} == {"ar", "sync", "async"}
+    assert {line["id"] for line in lines} == {"p0", "p1", "p2"}
+
+
+def test_bench_replay_matches_live_tau(pair_dirs, capsys):
+    main(bench_args(pair_dirs, "--decoder", "async", "--json", "-"))
+    live = json.loads(capsys.readouterr().out)["decoders"]["async"]
+    main(bench_args(pair_dirs, "--decoder", "async", "--verify", "replay", "--json", "-"))
+    replay = json.loads(capsys.readouterr().out)["decoders"]["async"]
+    assert replay["tau_per_prompt"] == live["tau_per_prompt"] and replay["hit_rate"] == live["hit_rate"]
+    assert replay["speedup_vs_ar"] is None
+
+
+def error_of(capsys, argv) -> str:
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("Error: ") and "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_bad_prompt_files(pair_dirs, capsys, tmp_path):
+    missing = bench_args(pair_dirs)
+    missing[missing.index("--prompts") + 1] = str(tmp_path / "nope.jsonl")
+    assert "does not exist" in error_of(capsys, missing)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_ids": [1, 2]}\n{"input_ids": [3\n')
+    args = bench_args(pair_dirs)
+    args[args.index("--prompts") + 1] = str(bad)
+    assert "bad.jsonl:2" in error_of(capsys, args)
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"input_ids": [5] * 600}) + "\n")
+    args[args.index("--prompts") + 1] = str(long)
+    assert "--max-new-tokens" in error_of(capsys, args)
+
+
+def test_unknown_decoder_is_a_usage_error(pair_dirs):
+    with pytest.raises(SystemExit) as exit_info:
+        main(bench_args(pair_dirs, "--decoder", "fast"))
+    assert exit_info.value.code == 2
+
+
+def test_incompatible_pair_and_bad_settings(pair_dirs, capsys, tmp_path):
+    other = build_tiny_drafter(vocab_size=60, mask_token_id=59, draft_vocab_size=59)
+    save_drafter(other, tmp_path / "small")
+    args = bench_args(pair_dirs)
+    args[args.index("--drafter") + 1] = str(tmp_path / "small")
+    assert "vocabulary mismatch" in error_of(capsys, args)
+    assert "replay" in error_of(capsys, bench_args(pair_dirs, "--verify", "replay", "--temperature", "0.5"))
+    assert "block size" in error_of(capsys, bench_args(pair_dirs, "--block-size", "9"))
+
+
+def test_validate_command(pair_dirs, capsys, tmp_path):
+    assert main(["validate", "--drafter", str(pair_dirs / "drafter"), "--target", str(pair_dirs / "target"),
+                 "--json", "-"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["layers"] == 2 and summary["compatible_with_target"] is True
+    assert "does not exist" in error_of(capsys, ["validate", "--drafter", str(tmp_path / "missing")])
+
+
+def test_debug_shows_traceback(pair_dirs, tmp_path):
+    from models.errors import D3DError
+
+    with pytest.raises(D3DError):
+        main(["validate", "--drafter", str(tmp_path / "missing"), "--debug"])
+    assert torch.__version__  # the in-process CLI ran with torch available
