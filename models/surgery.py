@@ -16,15 +16,18 @@ PROVENANCE_KEY = "original_layer_indices"
 
 
 def per_layer_config_keys(config) -> list[str]:
-    """Names of config attributes that hold one entry per decoder layer."""
+    """Names of config attributes that hold one entry per decoder layer.
+
+    transformers names such lists after layers (`layer_types`, `no_rope_layers`, ...). Matching on the
+    name as well as the length keeps lists that merely happen to have n entries (`eos_token_id` with
+    three end tokens on a three-layer model) untouched.
+    """
     n = config.num_hidden_layers
-    keys = []
-    for key, value in config.to_dict().items():
-        if key == PROVENANCE_KEY:
-            continue
-        if isinstance(value, (list, tuple)) and len(value) == n and key != "architectures":
-            keys.append(key)
-    return keys
+    return [
+        key
+        for key, value in config.to_dict().items()
+        if key != PROVENANCE_KEY and "layer" in key and isinstance(value, (list, tuple)) and len(value) == n
+    ]
 
 
 def remove_layers(model: torch.nn.Module, indices) -> torch.nn.Module:

@@ -175,7 +175,7 @@ def train(
     if folder is not None and config.resume and (folder / CHECKPOINT_STATE).is_file():
         step, history = _load_checkpoint(folder, config, params, optimizer, scheduler, sampler, anchor_generator)
 
-    mask_dtype = torch.bfloat16 if config.bf16 else None
+    mask_dtype = torch.bfloat16 if config.bf16 else torch.float32
     model.train()
     with _progress_bar(config.progress, config.steps, step) as advance:
         while step < config.steps:
@@ -187,8 +187,8 @@ def train(
                 examples = [dataset[i] for i in sampler.next()]
                 batch = build_batch(
                     examples, block_size, mask_id, config.blocks_per_sequence, anchor_generator,
-                    max_length=config.max_length, pad_multiple=config.pad_multiple,
-                ).to(device, mask_dtype)
+                    max_length=config.max_length, pad_multiple=config.pad_multiple, mask_dtype=mask_dtype,
+                ).to(device)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
                     out = drafter_loss(model, batch, config.gamma, config.ar_weight)
                 (out.total / config.grad_accum).backward()

@@ -80,9 +80,9 @@ def heldout_callback(examples, config, eval_fn=None, batch_size: int = 16):
         totals = {"diff": 0.0, "ar": 0.0, "accept_sum": 0.0, "accept_blocks": 0}
         for start in range(0, len(examples), batch_size):
             batch = build_batch(examples[start : start + batch_size], lm.config.block_size, lm.config.mask_token_id,
-                                config.blocks_per_sequence, generator, max_length=config.max_length)
-            out = drafter_loss(model, batch.to(device, torch.bfloat16 if config.bf16 else None), config.gamma,
-                               config.ar_weight)
+                                config.blocks_per_sequence, generator, max_length=config.max_length,
+                                mask_dtype=torch.bfloat16 if config.bf16 else torch.float32)
+            out = drafter_loss(model, batch.to(device), config.gamma, config.ar_weight)
             n = len(examples[start : start + batch_size])
             totals["diff"] += out.diff.item() * n / len(examples)
             totals["ar"] += out.ar.item() * n / len(examples)
