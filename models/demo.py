@@ -30,7 +30,7 @@ from ._wheels import (
     print_to_stderr,
     resolve_cache_dir,
 )
-from .checkpoint import CONFIG_NAME, WEIGHTS_NAME, _check_data_length, atomic_folder, sha256_file
+from .checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_data_length, atomic_folder, sha256_file
 from .errors import CheckpointError
 
 DEMO_DRAFTER_DIR = Path(__file__).parent / "demo_drafter"
@@ -117,7 +117,7 @@ def cache_problem(folder: Path) -> str | None:
         if not file.is_file() or file.stat().st_size != size:
             return f"{name} is missing or has the wrong size"
     try:
-        _check_data_length(folder / WEIGHTS_NAME)
+        check_data_length(folder / WEIGHTS_NAME)
     except Exception as exc:  # CheckpointError, or a damaged header (bad JSON, bad offsets)
         return f"{WEIGHTS_NAME} is damaged ({exc})"
     return None

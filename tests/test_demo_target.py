@@ -6,8 +6,11 @@ by a fake converter that writes a tiny random Llama. The one test on the real co
 """
 
 import json
+import os
 import subprocess
 import sys
+import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -179,6 +182,34 @@ def test_first_use_builds_the_cache_and_says_so(fake_wheel, monkeypatch):
     assert leftovers(fake_wheel) == []
     monkeypatch.setattr(demo, "convert_gguf", forbid)
     assert demo.resolve_demo_target(log=logged.append) == folder  # second call: straight from the cache
+
+
+def test_built_cache_is_readable_by_others(fake_wheel, monkeypatch):
+    monkeypatch.setattr(demo, "convert_gguf", fake_convert)
+    folder = demo.resolve_demo_target(log=lambda line: None)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert folder.stat().st_mode & 0o777 == 0o777 & ~umask
+    assert (folder / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_concurrent_first_uses_convert_once(fake_wheel, monkeypatch):
+    calls = []
+
+    def slow_convert(gguf, out):
+        calls.append(out)
+        time.sleep(0.3)
+        fake_convert(gguf, out)
+
+    monkeypatch.setattr(demo, "convert_gguf", slow_convert)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(demo.resolve_demo_target(log=lambda line: None)))
+               for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1 and len(results) == 3 and len(set(results)) == 1
 
 
 def test_interrupted_conversion_leaves_no_folder(fake_wheel, monkeypatch):
