@@ -97,9 +97,10 @@ class ObjectiveOutput:
     Attributes:
         slot_correct: LongTensor `(B,)`, per slot index, supervised slots whose argmax equals the target.
         slot_count: LongTensor `(B,)`, supervised slots per slot index.
-        accept_sum: sum over full blocks of 1 + the leading run of correct slots 1..B-1 (a teacher-forced
-            proxy of a round's acceptance length on the target's own trajectory).
-        accept_blocks: number of full blocks (slots 1..B-1 all supervised) in accept_sum.
+        accept_sum: 0-d tensor, sum over full blocks of 1 + the leading run of correct slots 1..B-1 (a
+            teacher-forced proxy of a round's acceptance length on the target's own trajectory).
+        accept_blocks: 0-d tensor, number of full blocks (slots 1..B-1 all supervised) in accept_sum.
+    Metrics stay on the device (no host sync inside the loss); read them with float() / int().
     """
 
     total: torch.Tensor
@@ -107,8 +108,8 @@ class ObjectiveOutput:
     ar: torch.Tensor
     slot_correct: torch.Tensor
     slot_count: torch.Tensor
-    accept_sum: float
-    accept_blocks: int
+    accept_sum: torch.Tensor
+    accept_blocks: torch.Tensor
 
     @property
     def slot_accuracy(self) -> torch.Tensor:
@@ -117,7 +118,8 @@ class ObjectiveOutput:
 
     @property
     def accept_proxy(self) -> float:
-        return self.accept_sum / self.accept_blocks if self.accept_blocks else float("nan")
+        blocks = int(self.accept_blocks)
+        return float(self.accept_sum) / blocks if blocks else float("nan")
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_blocks: int, generator: torch.Generator) -> list[int]:
@@ -273,6 +275,6 @@ def drafter_loss(
         dense_ok = dense_ok.view(-1, size)[:, : size - 1]
         full = dense_valid.view(-1, size)[:, : size - 1].all(-1)
         run = dense_ok.long().cumprod(-1).sum(-1)  # (blocks,) leading correct slots
-        accept_sum = float((run[full] + 1).sum())
-        accept_blocks = int(full.sum())
+        accept_sum = (run[full] + 1).sum()
+        accept_blocks = full.sum()
     return ObjectiveOutput(total, diff.detach(), ar.detach(), slot_correct, slot_count, accept_sum, accept_blocks)

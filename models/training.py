@@ -9,9 +9,11 @@ weights as an uninterrupted run. Only parameters with `requires_grad` are traine
 a peft-wrapped model trains its adapters only.
 """
 
+import functools
 import json
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -20,11 +22,11 @@ import torch
 
 from .checkpoint import atomic_folder
 from .errors import CheckpointError, ConfigError
-from .objective import Example, build_batch, causal_lm, drafter_loss
+from .objective import Example, build_batch, causal_lm, drafter_loss, sample_anchors
 
 CHECKPOINT_STATE = "trainer_state.json"
 # Settings that may change between a run and its resumption without changing its result.
-RESUME_FREE_FIELDS = ("eval_every", "checkpoint_every", "checkpoint_dir", "resume", "progress")
+RESUME_FREE_FIELDS = ("eval_every", "checkpoint_every", "checkpoint_dir", "resume", "progress", "max_seconds")
 
 
 @dataclass
@@ -54,6 +56,8 @@ class TrainConfig:
         checkpoint_dir: the checkpoint folder; None disables checkpoints.
         resume: continue from `checkpoint_dir` when it holds a checkpoint of this config.
         progress: show a progress bar on stderr.
+        max_seconds: stop early once this call has trained this long (0 = no limit); for machines lent for a
+            fixed time. The stop depends on timing, so such a run is reproducible only up to the step reached.
     """
 
     steps: int = 1000
@@ -79,6 +83,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     resume: bool = True
     progress: bool = True
+    max_seconds: float = 0.0
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad setting."""
@@ -118,6 +123,13 @@ class _Sampler:
         self.generator = torch.Generator().manual_seed(seed)
         self.order = torch.randperm(size, generator=self.generator)
         self.cursor = 0
+
+    def state(self) -> tuple:
+        return self.generator.get_state(), self.order.clone(), self.cursor
+
+    def set_state(self, state: tuple) -> None:
+        generator, self.order, self.cursor = state
+        self.generator.set_state(generator)
 
     def next(self) -> list[int]:
         picked = []
@@ -176,30 +188,46 @@ def train(
         step, history = _load_checkpoint(folder, config, params, optimizer, scheduler, sampler, anchor_generator)
 
     mask_dtype = torch.bfloat16 if config.bf16 else torch.float32
+    build = functools.partial(build_batch, block_size=block_size, mask_token_id=mask_id,
+                              blocks_per_sequence=config.blocks_per_sequence, max_length=config.max_length,
+                              pad_multiple=config.pad_multiple, mask_dtype=mask_dtype)
+
+    def draw():
+        """Draw the next micro-batch (RNG in this thread, in order) and build it in the worker thread.
+
+        Returns the generator states from before the draw, which a checkpoint stores so that a resumed run
+        draws this micro-batch again, and the future of the built batch.
+        """
+        before = (sampler.state(), anchor_generator.get_state())
+        examples = [dataset[i] for i in sampler.next()]
+        anchors = [sample_anchors(ex.loss_mask[: config.max_length].bool(), config.blocks_per_sequence,
+                                  anchor_generator) for ex in examples]
+        return before, worker.submit(build, examples, anchors=anchors)
+
     model.train()
-    with _progress_bar(config.progress, config.steps, step) as advance:
+    call_start = time.perf_counter()
+    with _progress_bar(config.progress, config.steps, step) as advance, ThreadPoolExecutor(1) as worker:
+        pending = draw()  # the CPU builds the next batch while the device computes this one
         while step < config.steps:
             started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            sums = {"loss": 0.0, "diff": 0.0, "ar": 0.0, "tokens": 0}
-            correct = count = accept_sum = accept_blocks = 0
+            outs, tokens = [], 0
             for _ in range(config.grad_accum):
-                examples = [dataset[i] for i in sampler.next()]
-                batch = build_batch(
-                    examples, block_size, mask_id, config.blocks_per_sequence, anchor_generator,
-                    max_length=config.max_length, pad_multiple=config.pad_multiple, mask_dtype=mask_dtype,
-                ).to(device)
+                batch = pending[1].result().to(device)
+                pending = draw()
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
                     out = drafter_loss(model, batch, config.gamma, config.ar_weight)
                 (out.total / config.grad_accum).backward()
-                sums["loss"] += out.total.item() / config.grad_accum
-                sums["diff"] += out.diff.item() / config.grad_accum
-                sums["ar"] += out.ar.item() / config.grad_accum
-                sums["tokens"] += batch.input_ids.numel()
-                correct += int(out.slot_correct[0])
-                count += int(out.slot_count[0])
-                accept_sum += out.accept_sum
-                accept_blocks += out.accept_blocks
+                outs.append(out)
+                tokens += batch.input_ids.numel()
+            # One host-device sync per update, after every backward is queued.
+            sums = {name: sum(float(getattr(o, name).detach()) for o in outs) / config.grad_accum
+                    for name in ("total", "diff", "ar")}
+            sums = {"loss": sums.pop("total"), **sums, "tokens": tokens}
+            correct = sum(int(o.slot_correct[0]) for o in outs)
+            count = sum(int(o.slot_count[0]) for o in outs)
+            accept_sum = sum(float(o.accept_sum) for o in outs)
+            accept_blocks = sum(int(o.accept_blocks) for o in outs)
             if not math.isfinite(sums["loss"]):
                 raise ConfigError(f"training diverged at step {step + 1} (loss {sums['loss']}); lower the learning "
                                   "rate, or turn bf16 off")
@@ -220,16 +248,18 @@ def train(
                 "seconds": time.perf_counter() - started,
             }
             history.append(record)
-            last = step == config.steps
+            out_of_time = config.max_seconds > 0 and time.perf_counter() - call_start > config.max_seconds
+            last = step == config.steps or out_of_time
             if callback is not None and (last or (config.eval_every and step % config.eval_every == 0)):
                 model.eval()
                 with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
                     record.update(callback(step, model) or {})
                 model.train()
             if folder is not None and (last or (config.checkpoint_every and step % config.checkpoint_every == 0)):
-                _save_checkpoint(folder, config, step, history, params, optimizer, scheduler, sampler,
-                                 anchor_generator)
+                _save_checkpoint(folder, config, step, history, params, optimizer, scheduler, pending[0])
             advance(record)
+            if out_of_time:
+                break
     model.eval()
     return history
 
@@ -265,7 +295,8 @@ def _comparable(config: TrainConfig) -> dict:
     return {k: v for k, v in asdict(config).items() if k not in RESUME_FREE_FIELDS}
 
 
-def _save_checkpoint(folder, config, step, history, params, optimizer, scheduler, sampler, anchors) -> None:
+def _save_checkpoint(folder, config, step, history, params, optimizer, scheduler, rng_before) -> None:
+    """Write the state after `step`; `rng_before` = (sampler state, anchor generator state) before the next draw."""
     from safetensors.torch import save_file
 
     weights = {name: p.detach().to("cpu").contiguous() for name, p in params}
@@ -275,10 +306,11 @@ def _save_checkpoint(folder, config, step, history, params, optimizer, scheduler
         for index, state in opt["state"].items()
         for key, value in state.items()
     }
+    (sampler_generator, sampler_order, sampler_cursor), anchors = rng_before
     rng = {
-        "sampler": sampler.generator.get_state(),
-        "sampler_order": sampler.order,
-        "anchors": anchors.get_state(),
+        "sampler": sampler_generator,
+        "sampler_order": sampler_order,
+        "anchors": anchors,
         "torch_cpu": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -286,7 +318,7 @@ def _save_checkpoint(folder, config, step, history, params, optimizer, scheduler
             rng[f"torch_cuda_{i}"] = state
     state = {
         "step": step,
-        "sampler_cursor": sampler.cursor,
+        "sampler_cursor": sampler_cursor,
         "config": asdict(config),
         "param_names": [name for name, _ in params],
         "optimizer_param_groups": opt["param_groups"],
@@ -334,8 +366,7 @@ def _load_checkpoint(folder, config, params, optimizer, scheduler, sampler, anch
         opt_state.setdefault(int(index), {})[field] = value
     optimizer.load_state_dict({"state": opt_state, "param_groups": state["optimizer_param_groups"]})
     scheduler.load_state_dict(state["scheduler"])
-    sampler.generator.set_state(rng["sampler"])
-    sampler.order, sampler.cursor = rng["sampler_order"], state["sampler_cursor"]
+    sampler.set_state((rng["sampler"], rng["sampler_order"], state["sampler_cursor"]))
     anchors.set_state(rng["anchors"])
     torch.set_rng_state(rng["torch_cpu"])
     cuda_states = [rng[k] for k in sorted(rng) if k.startswith("torch_cuda_")]

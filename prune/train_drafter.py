@@ -86,8 +86,8 @@ def heldout_callback(examples, config, eval_fn=None, batch_size: int = 16):
             n = len(examples[start : start + batch_size])
             totals["diff"] += out.diff.item() * n / len(examples)
             totals["ar"] += out.ar.item() * n / len(examples)
-            totals["accept_sum"] += out.accept_sum
-            totals["accept_blocks"] += out.accept_blocks
+            totals["accept_sum"] += float(out.accept_sum)
+            totals["accept_blocks"] += int(out.accept_blocks)
             correct, count = correct + out.slot_correct.cpu(), count + out.slot_count.cpu()
         accuracy = (correct.float() / count.clamp_min(1).float()).tolist()
         metrics = {
@@ -104,26 +104,16 @@ def heldout_callback(examples, config, eval_fn=None, batch_size: int = 16):
     return callback
 
 
-def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
-    """Build, train and save the drafter described by `args` (the parsed CLI flags); return the folder."""
-    import shutil
-
+def build_initial_drafter(args: argparse.Namespace):
+    """A fresh drafter for the target named by `args` (or the data manifest): (model, init note, parameters)."""
     import torch
 
-    from models.checkpoint import ensure_writable_output
-    from models.drafter import create_drafter, save_drafter
+    from models.drafter import create_drafter
     from models.errors import ConfigError, DataError
     from models.target import load_target, load_tokenizer
-    from models.training import TrainConfig, train
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
-    bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
-    out = ensure_writable_output(args.out, args.overwrite)
-    manifest = json.loads((Path(args.data) / "manifest.json").read_text()) if (Path(args.data) / "manifest.json"
-                                                                              ).is_file() else {}
+    manifest_file = Path(args.data) / "manifest.json"
+    manifest = json.loads(manifest_file.read_text()) if manifest_file.is_file() else {}
     target_dir = Path(args.target or manifest.get("target") or "")
     tokenizer = load_tokenizer(target_dir) if target_dir.is_dir() else None
     if tokenizer is None:
@@ -141,7 +131,6 @@ def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
     if 2 * params > args.max_mb * 1e6:
         raise ConfigError(f"the drafter would take {2 * params / 1e6:.1f} MB in bfloat16, over --max-mb "
                           f"{args.max_mb}; lower --hidden-size or --intermediate-size")
-
     model = create_drafter(vocab_size=vocab, mask_token_id=real_vocab, block_size=args.block_size,
                            draft_vocab_size=real_vocab, seed=args.seed, tie_word_embeddings=True, **sizes)
     init_note = "random"
@@ -153,7 +142,44 @@ def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
         with torch.no_grad():
             model.get_input_embeddings().weight[:rows].copy_(table[:rows])
         init_note = f"pca of the target embedding ({kept:.3f} of its variance)"
-        del target
+    return model, init_note, params
+
+
+def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
+    """Build, train and save the drafter described by `args` (the parsed CLI flags); return the folder."""
+    import shutil
+
+    import torch
+
+    from models.checkpoint import ensure_writable_output
+    from models.drafter import load_drafter, save_drafter
+    from models.errors import DataError
+    from models.training import TrainConfig, train
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
+    if args.save_initial:
+        model, init_note, _ = build_initial_drafter(args)
+        manifest_file = Path(args.data) / "manifest.json"
+        target_dir = Path(args.target or json.loads(manifest_file.read_text())["target"])
+        print(f"embedding init: {init_note}", file=sys.stderr)
+        return save_drafter(model, args.save_initial, tokenizer_source=target_dir, overwrite=args.overwrite,
+                            dtype=torch.bfloat16)
+    if not args.out:
+        raise DataError("--out is required (the folder the trained drafter is written to)")
+    out = ensure_writable_output(args.out, args.overwrite)
+    manifest = json.loads((Path(args.data) / "manifest.json").read_text()) if (Path(args.data) / "manifest.json"
+                                                                              ).is_file() else {}
+    if args.init_from:
+        # Start from a saved drafter (e.g. one built here with the PCA embedding, trained on another machine).
+        model, init_note, tokenizer_dir = load_drafter(args.init_from), f"from {args.init_from}", Path(args.init_from)
+        params = sum(p.numel() for p in model.parameters())
+    else:
+        model, init_note, params = build_initial_drafter(args)
+        tokenizer_dir = Path(args.target or manifest.get("target") or "")
     print(f"embedding init: {init_note}", file=sys.stderr)
 
     examples = load_examples(args.data)
@@ -169,6 +195,7 @@ def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
         warmup_steps=args.warmup_steps, blocks_per_sequence=args.blocks_per_sequence, max_length=args.max_length,
         gamma=args.gamma, ar_weight=args.ar_weight, seed=args.seed, bf16=bf16, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, checkpoint_dir=str(checkpoint_dir), progress=not args.no_progress,
+        max_seconds=args.max_seconds,
     )
     start = time.perf_counter()
     history = train(model, training, config, callback=heldout_callback(heldout, config, eval_fn), device=device)
@@ -183,7 +210,7 @@ def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
         "heldout_sequences": len(heldout), "train_seconds_this_call": round(seconds, 1), "final_eval": final,
         "history": [r for r in history if r["step"] % max(1, args.steps // 500) == 0 or "eval_slot_acc" in r],
     }
-    folder = save_drafter(model.float().cpu(), out, tokenizer_source=target_dir, overwrite=args.overwrite,
+    folder = save_drafter(model.float().cpu(), out, tokenizer_source=tokenizer_dir, overwrite=args.overwrite,
                           dtype=torch.bfloat16,
                           extra_files={"training.json": json.dumps(provenance, indent=2, sort_keys=True) + "\n"})
     if not args.keep_checkpoints:
@@ -192,14 +219,23 @@ def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
     return folder
 
 
+DESCRIPTION = "Train a block-diffusion drafter from scratch on distillation data of its target."
+
+
 def build_parser() -> argparse.ArgumentParser:
-    d = DEFAULTS
-    p = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         prog="python -m prune.train_drafter", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Train a block-diffusion drafter from scratch on distillation data of its target.",
+        description=DESCRIPTION,
     )
+    add_arguments(parser)
+    return parser
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `prune train-drafter` (also `python -m prune.train_drafter`)."""
+    d = DEFAULTS
     p.add_argument("--data", required=True, help="distillation data folder (prune.distill output)")
-    p.add_argument("--out", required=True, help="output drafter folder (must not exist, or use --overwrite)")
+    p.add_argument("--out", default=None, help="output drafter folder (must not exist, or use --overwrite)")
     p.add_argument("--target", default=None, help="target model folder (default: the one named in the data manifest)")
     p.add_argument("--steps", type=int, default=d["steps"], help="optimizer updates")
     p.add_argument("--batch-size", type=int, default=d["batch_size"], help="sequences per micro-batch")
@@ -221,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=d["block_size"], help="B, mask slots per block")
     p.add_argument("--init-embeddings", choices=("pca", "random"), default="pca",
                    help="start the embedding from the target's (PCA projection) or at random")
+    p.add_argument("--init-from", default=None,
+                   help="start from this drafter folder instead of building one (sizes and --init-embeddings ignored)")
+    p.add_argument("--save-initial", default=None,
+                   help="only build the initial drafter (with its embedding init) and save it here, then exit")
+    p.add_argument("--max-seconds", type=float, default=0.0,
+                   help="stop training once this call has run this long (0: no limit)")
     p.add_argument("--max-mb", type=float, default=60.0, help="refuse drafters larger than this in bfloat16")
     p.add_argument("--eval-size", type=int, default=d["eval_size"], help="held-out sequences for evaluation")
     p.add_argument("--eval-every", type=int, default=d["eval_every"], help="evaluate every N updates (0: at the end)")
@@ -235,7 +277,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
 
 
 def main(argv=None) -> int:

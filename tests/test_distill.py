@@ -50,6 +50,14 @@ def test_no_evaluation_prompt_in_training_prompts():
     assert not leaks
 
 
+def test_overlap_filter_drops_prompts_that_contain_an_evaluation_prompt():
+    from prune.distill import drop_evaluation_overlap
+
+    prompts = [{"prompt": "Explain:\n\ndef f(x):\n    return x"}, {"prompt": "What is 2 * 3?"}, {"prompt": "hello"}]
+    kept = drop_evaluation_overlap(prompts, ["def f(x):\n    return x", "hello"])
+    assert kept == [{"prompt": "What is 2 * 3?"}]
+
+
 def test_prompt_selection_is_deterministic():
     first = collect_training_prompts(40, seed=3)
     assert first == collect_training_prompts(40, seed=3)

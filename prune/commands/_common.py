@@ -20,11 +20,54 @@ def add_debug(parser) -> None:
 
 
 def add_model_args(parser, target: bool = True) -> None:
-    parser.add_argument("--drafter", required=True, help="drafter checkpoint folder")
+    parser.add_argument("--drafter", default=None, help="drafter checkpoint folder (default: the demo drafter)")
     if target:
-        parser.add_argument("--target", required=True, help="target model folder or .gguf file")
+        parser.add_argument("--target", default=None,
+                            help="target model folder or .gguf file (default: the demo target, SmolLM2-135M-Instruct)")
+        parser.add_argument("--cache-dir", default=None,
+                            help="where the demo target and suite data are cached "
+                            "(default: $D3D_PRUNE_CACHE or $XDG_CACHE_HOME/d3d-prune)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and compute dtype")
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
+
+
+def add_prompt_args(parser, default_suite: str = "humaneval:eval") -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--suite", default=None, metavar="NAME[:calib|:eval]",
+                        help=f"built-in prompt suite: humaneval, mtbench or champ, optionally one part "
+                        f"(default when --prompts is not given: {default_suite})")
+    source.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                        help="JSONL prompts: records with prompt, messages or input_ids (optional id)")
+    parser.set_defaults(default_suite=default_suite)
+    parser.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt at most")
+    parser.add_argument("--no-chat-template", action="store_true",
+                        help="feed prompt text as is instead of through the tokenizer's chat template")
+
+
+def model_paths(args) -> tuple[str, str]:
+    """The drafter and target paths of `args`, falling back to the demo pair."""
+    from models.demo import demo_drafter_dir, resolve_demo_target
+    from models.errors import CheckpointError
+
+    drafter = args.drafter
+    if drafter is None:
+        drafter = demo_drafter_dir()
+        if not (drafter / "config.json").is_file():
+            raise CheckpointError(f"the demo drafter is missing from {drafter}; pass --drafter DIR")
+    target = args.target or resolve_demo_target(getattr(args, "cache_dir", None))
+    return str(drafter), str(target)
+
+
+def prompt_records(args) -> tuple[list[dict], str]:
+    """The prompt records selected by --suite/--prompts and --limit, and a label naming their source."""
+    from decode.prompts import read_prompt_file, select_records
+    from decode.suites import load_suite
+
+    if args.prompts:
+        return select_records(read_prompt_file(args.prompts), args.limit), args.prompts
+    spec = args.suite or args.default_suite
+    return select_records(load_suite(spec, getattr(args, "cache_dir", None)), args.limit), f"suite:{spec}"
 
 
 def quiet_libraries() -> None:

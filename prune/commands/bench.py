@@ -7,7 +7,10 @@ from ._common import (
     add_command,
     add_debug,
     add_model_args,
+    add_prompt_args,
     interactive,
+    model_paths,
+    prompt_records,
     quiet_libraries,
     resolve_device,
     torch_dtype,
@@ -16,6 +19,7 @@ from ._common import (
 
 EXAMPLES = """
 examples:
+  prune bench --suite humaneval:eval --limit 10          (the demo pair)
   prune bench --drafter DRAFTER --target TARGET --prompts prompts.jsonl --limit 10
   prune bench --drafter DRAFTER --target TARGET --prompts p.jsonl --decoder async --verify replay --json -
 """
@@ -51,26 +55,18 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
-def add_prompt_args(parser) -> None:
-    parser.add_argument("--prompts", required=True, metavar="FILE.jsonl",
-                        help="JSONL prompts: records with prompt, messages or input_ids (optional id)")
-    parser.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt at most")
-    parser.add_argument("--no-chat-template", action="store_true",
-                        help="feed prompt text as is instead of through the tokenizer's chat template")
-
-
 def run(args) -> int:
     from decode.bench import BenchConfig, run_bench
     from decode.decoders import DECODERS, DecodeConfig
     from decode.prompts import check_context
-    from decode.prompts import read_prompt_file, select_records, tokenize_records
+    from decode.prompts import tokenize_records
     from models.pair import load_pair
 
     quiet_libraries()
     device, dtype = resolve_device(args.device), torch_dtype(args.dtype)
-    records = select_records(read_prompt_file(args.prompts), args.limit)
-    pair = load_pair(args.drafter, args.target, dtype, device)
+    records, source = prompt_records(args)
+    drafter_dir, target_path = model_paths(args)
+    pair = load_pair(drafter_dir, target_path, dtype, device)
     prompts = tokenize_records(records, pair.tokenizer, not args.no_chat_template)
     check_context(prompts, args.max_new_tokens, pair.drafter.config.block_size, pair.max_positions)
     decode = DecodeConfig(
@@ -92,7 +88,7 @@ def run(args) -> int:
     total = len(prompts) * len(set(decoders))
     with progress_bar("bench", total, enabled=interactive(args.json)) as advance:
         report, outputs = run_bench(pair.drafter, pair.target, prompts, config, on_result=lambda *_: advance())
-    report["settings"].update({"drafter": str(args.drafter), "target": str(args.target), "prompts_file": args.prompts})
+    report["settings"].update({"drafter": drafter_dir, "target": target_path, "prompts": source})
     if args.save_outputs:
         _save_outputs(args.save_outputs, prompts, outputs, pair.tokenizer)
     write_json(report, args.json)

@@ -1,0 +1,47 @@
+"""`prune distill`: the target's own greedy responses to training prompts, stored as token ids."""
+
+from ._common import DTYPES, add_command, add_debug
+
+
+def add_parser(subparsers) -> None:
+    parser = add_command(
+        subparsers,
+        "distill",
+        help="generate distillation data: the target's greedy responses to training prompts",
+        description="Generate self-distillation data for drafter training: prompts cut from the CPython "
+        "standard library and synthetic arithmetic (never an evaluation prompt of the built-in suites), "
+        "answered greedily by the target through its chat template. Written in shards; rerunning the same "
+        "command resumes after the last finished shard.\n\nexample:\n  prune distill --out data/distill "
+        "--num-prompts 2000 --dtype bfloat16",
+    )
+    parser.add_argument("--out", required=True, help="output data folder (resumed when it holds a run of the same settings)")
+    parser.add_argument("--target", default=None, help="target model folder (default: the demo target)")
+    parser.add_argument("--cache-dir", default=None, help="demo target cache (default: $D3D_PRUNE_CACHE or ~/.cache/d3d-prune)")
+    parser.add_argument("--num-prompts", type=int, default=2000, help="training prompts to answer")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="response length cap (EOS ends earlier)")
+    parser.add_argument("--batch-size", type=int, default=16, help="prompts per generate call")
+    parser.add_argument("--shard-size", type=int, default=64, help="prompts per shard (the unit of resumption)")
+    parser.add_argument("--device", default="cpu", help="torch device")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="target dtype while generating")
+    parser.add_argument("--seed", type=int, default=0, help="selects the prompts")
+    add_debug(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    import sys
+
+    from models.demo import resolve_demo_target
+    from prune.distill import generate_distillation_data
+
+    from ._common import quiet_libraries
+
+    quiet_libraries()
+    target = args.target or resolve_demo_target(args.cache_dir)
+    out = generate_distillation_data(
+        target, args.out, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size, device=args.device, dtype=args.dtype, seed=args.seed,
+        shard_size=args.shard_size, progress=sys.stderr.isatty(),
+    )
+    print(out)
+    return 0

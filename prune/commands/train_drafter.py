@@ -1,0 +1,26 @@
+"""`prune train-drafter`: train a block-diffusion drafter from scratch on distillation data."""
+
+from prune import train_drafter as _train
+
+from ._common import add_command, add_debug
+
+
+def add_parser(subparsers) -> None:
+    parser = add_command(
+        subparsers,
+        "train-drafter",
+        help="train a drafter from scratch on distillation data (builds the demo drafter)",
+        description=_train.DESCRIPTION + "\n\nexample:\n  prune distill --out data/distill\n"
+        "  prune train-drafter --data data/distill --out my-drafter --steps 2000",
+    )
+    _train.add_arguments(parser)
+    add_debug(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from ._common import quiet_libraries
+
+    quiet_libraries()
+    _train.train_demo_drafter(args)
+    return 0
