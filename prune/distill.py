@@ -332,8 +332,12 @@ def _generate(model, prompts: list[list[int]], max_new_tokens: int, eos: list[in
     return results
 
 
-def load_distillation_data(folder: str | os.PathLike) -> list[dict]:
-    """All records of a finished distillation folder, in prompt order."""
+def load_distillation_data(folder: str | os.PathLike, partial: bool = False) -> list[dict]:
+    """All records of a finished distillation folder, in prompt order.
+
+    Args:
+        partial: accept an unfinished folder and return the leading run of finished shards.
+    """
     from models.errors import DataError
 
     folder = Path(folder)
@@ -344,6 +348,8 @@ def load_distillation_data(folder: str | os.PathLike) -> list[dict]:
     for n in range(manifest["shards"]):
         shard = folder / f"shard-{n:05d}.jsonl"
         if not shard.is_file():
+            if partial and records:
+                break
             raise DataError(f"{folder} is incomplete ({shard.name} is missing); rerun the generation to finish it")
         records += [json.loads(line) for line in shard.read_text().splitlines() if line.strip()]
     return records

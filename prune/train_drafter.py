@@ -55,12 +55,12 @@ def pca_embedding(source, width: int, std: float):
     return projected * (std / projected.std()), kept
 
 
-def load_examples(folder: str | Path):
+def load_examples(folder: str | Path, partial: bool = False):
     """Distillation records as training `Example`s (prompt unsupervised, response supervised)."""
     from models.objective import Example
     from prune.distill import load_distillation_data
 
-    records = load_distillation_data(folder)
+    records = load_distillation_data(folder, partial)
     return [Example.from_prompt_response(r["prompt_ids"], r["response_ids"]) for r in records if r["response_ids"]]
 
 
@@ -182,7 +182,7 @@ def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
         tokenizer_dir = Path(args.target or manifest.get("target") or "")
     print(f"embedding init: {init_note}", file=sys.stderr)
 
-    examples = load_examples(args.data)
+    examples = load_examples(args.data, args.partial_data)
     if len(examples) <= args.eval_size:
         raise DataError(f"{args.data} holds {len(examples)} usable sequences, not more than --eval-size "
                         f"{args.eval_size}; generate more data or lower --eval-size")
@@ -261,6 +261,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start from this drafter folder instead of building one (sizes and --init-embeddings ignored)")
     p.add_argument("--save-initial", default=None,
                    help="only build the initial drafter (with its embedding init) and save it here, then exit")
+    p.add_argument("--partial-data", action="store_true",
+                   help="train on the finished shards of a distillation run that is still going")
     p.add_argument("--max-seconds", type=float, default=0.0,
                    help="stop training once this call has run this long (0: no limit)")
     p.add_argument("--max-mb", type=float, default=60.0, help="refuse drafters larger than this in bfloat16")
