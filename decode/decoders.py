@@ -81,8 +81,7 @@ class DecodeResult:
         output_ids: generated ids (the prompt excluded), trimmed by the stop rule.
         rounds: one entry per target pass after prefill.
         prefill_s: target prefill (+ the first draft for speculative decoders); excluded from decode_s.
-        decode_s: wall time of the rounds.
-        first_token_from_prefill: the first output token came from the target's prefill pass.
+        decode_s: wall time of the rounds (the first output token comes from prefill, outside it).
     """
 
     decoder: str

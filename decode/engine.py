@@ -102,9 +102,9 @@ class DraftEngine:
         index_r = torch.cat([torch.full((self.block_size,), r) for r, _ in rows])
         index_q = torch.cat([layouts[r].slot_rows[n] for r, n in rows])
         logits = masked_logits(self.model, hidden[index_r.to(self.device), index_q.to(self.device)])
-        probs = torch.softmax(logits, dim=-1)
-        top_p, top_i = probs.topk(self.fan_out + 1, dim=-1)
-        top_p, top_i = top_p.view(len(rows), self.block_size, -1).tolist(), top_i.view(len(rows), self.block_size, -1).tolist()
+        top_p, top_i = torch.softmax(logits, dim=-1).topk(self.fan_out + 1, dim=-1)  # (blocks * B, F + 1)
+        top_p = top_p.view(len(rows), self.block_size, -1).tolist()
+        top_i = top_i.view(len(rows), self.block_size, -1).tolist()
         out: list[list[BlockPrediction]] = [[] for _ in layouts]
         for k, (r, _) in enumerate(rows):
             out[r].append(

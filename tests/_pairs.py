@@ -16,24 +16,28 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from conftest import TINY_REAL_VOCAB, build_tiny_drafter
 
 
-def tiny_target(seed: int = 1, layers: int = 2) -> LlamaForCausalLM:
+def tiny_target(seed: int = 1, layers: int = 2, hidden: int = 48) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=TINY_REAL_VOCAB,
-        hidden_size=48,
-        intermediate_size=53,
+        hidden_size=hidden,
+        intermediate_size=hidden + 5,
         num_hidden_layers=layers,
         num_attention_heads=6,
         num_key_value_heads=2,
-        head_dim=8,
+        head_dim=hidden // 6,
         max_position_embeddings=512,
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
 
 
-def bigram_target(seed: int = 1) -> LlamaForCausalLM:
-    """A target whose next token depends only on the current one (silent layers): easy to draft for."""
-    target = tiny_target(seed)
+def bigram_target(seed: int = 1, layers: int = 2, hidden: int = 48) -> LlamaForCausalLM:
+    """A target whose next token depends only on the current one (silent layers): easy to draft for.
+
+    The layers still compute, so a larger `layers`/`hidden` makes verification costlier without
+    changing what the target says.
+    """
+    target = tiny_target(seed, layers, hidden)
     with torch.no_grad():
         for layer in target.model.layers:
             layer.self_attn.o_proj.weight.zero_()
@@ -65,13 +69,14 @@ def constant_pair(block_size: int, drafted: int, predicted: int = 7):
 
 
 @functools.lru_cache(maxsize=None)
-def trained_drafter(block_size: int = 8, steps: int = 150, seed: int = 0):
-    """A 2-layer drafter trained on greedy continuations of `tiny_target()`; returns (target, drafter)."""
+def trained_drafter(block_size: int = 8, steps: int = 150, seed: int = 0, target_layers: int = 2,
+                    target_hidden: int = 48):
+    """A 2-layer drafter trained on greedy continuations of `bigram_target()`; returns (target, drafter)."""
     from decode.decoders import DecodeConfig, decode_ar
     from models.objective import Example
     from models.training import TrainConfig, train
 
-    target = bigram_target()
+    target = bigram_target(layers=target_layers, hidden=target_hidden)
     generator = torch.Generator().manual_seed(seed)
     examples = []
     for _ in range(32):

@@ -34,7 +34,8 @@ def test_help_lists_working_commands_without_importing_torch():
     code = "import sys; from prune.cli import build_parser; h = build_parser().format_help(); " \
            "print(h); assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "bench" in out and "validate" in out
+    for command in ("bench", "validate", "distill", "train-drafter"):
+        assert command in out
     help_text = subprocess.run([sys.executable, "-m", "prune", "bench", "--help"], capture_output=True, text=True)
     assert help_text.returncode == 0 and "--max-new-tokens" in help_text.stdout and "default: 128" in help_text.stdout
 
@@ -119,3 +120,16 @@ def test_debug_shows_traceback(pair_dirs, tmp_path):
     with pytest.raises(D3DError):
         main(["validate", "--drafter", str(tmp_path / "missing"), "--debug"])
     assert torch.__version__  # the in-process CLI ran with torch available
+
+
+def test_missing_demo_drafter_is_a_clear_error(pair_dirs, capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr("models.demo.DEMO_DRAFTER_DIR", tmp_path / "no-demo-drafter")
+    args = bench_args(pair_dirs)
+    del args[1:3]  # no --drafter: the demo drafter is used
+    assert "demo drafter is missing" in error_of(capsys, args)
+
+
+def test_prompt_source_flags_are_exclusive(pair_dirs):
+    with pytest.raises(SystemExit) as exit_info:
+        main(bench_args(pair_dirs, "--suite", "humaneval"))
+    assert exit_info.value.code == 2

@@ -33,10 +33,6 @@ class Counter:
 
 
 def test_no_evaluation_prompt_in_training_prompts():
-    try:
-        from decode.suites import load_suite  # noqa: F401
-    except ImportError:
-        pytest.skip("decode.suites is not available yet, so there are no evaluation prompts to compare")
     from models.errors import D3DError
     from prune.distill import evaluation_prompts
 

@@ -2,7 +2,6 @@
 
 import math
 
-import pytest
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
@@ -14,14 +13,6 @@ from models.objective import Example, build_batch, drafter_loss, sample_anchors,
 B = 4
 MASK_ID = 97
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread; on a loaded 2-core machine more threads are many times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_example(prompt_len: int, response_len: int, seed: int) -> Example:

@@ -10,14 +10,6 @@ from models.training import TrainConfig, lr_factor, train
 B = 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread; on a loaded 2-core machine more threads are many times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def tiny_dataset(count: int = 6) -> list[Example]:
     g = torch.Generator().manual_seed(0)
