@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.errors import ConfigError
+from models.errors import ConfigError, DataError
 from models.masks import BlockSpec
 
 from .acceptance import StopRule, greedy_outcome, sample_token, sampled_outcome
@@ -169,6 +169,11 @@ class _Sequence:
             a, bonus = greedy_outcome(drafts, out.tokens)
         else:
             a, bonus = sampled_outcome(drafts, out.probs, self.generator)
+        if bonus < 0:
+            raise DataError(
+                "the replayed trajectory ended before the stop rule did; record it with the same "
+                "max_new_tokens and stop ids as this run"
+            )
         return self._commit(drafts[:a] + [bonus])
 
     def result(self, decoder: str, prefill_s: float, decode_s: float) -> DecodeResult:

@@ -6,7 +6,16 @@ length to keep, or `keep_rows`, the batched form used when rows of one cache hol
 """
 
 import torch
+import transformers
 from transformers import DynamicCache
+
+# Older releases name the cache argument `past_key_values` and silently ignore `cache=`, which would
+# run every cached forward without its cache: refuse them loudly instead.
+if tuple(int(part) for part in transformers.__version__.split(".")[:2]) < (5, 24):
+    raise ImportError(
+        f"d3d-prune's decoders need transformers >= 5.24 (found {transformers.__version__}); "
+        "install the version pinned in pyproject.toml"
+    )
 
 
 def cache_length(cache: DynamicCache | None) -> int:

@@ -145,6 +145,35 @@ def build_initial_drafter(args: argparse.Namespace):
     return model, init_note, params
 
 
+def replay_tau(examples, count: int, max_new_tokens: int, stop_ids: tuple[int, ...]):
+    """An `eval_fn` measuring real tau: the async decoder replays held-out distillation trajectories.
+
+    Each held-out sequence is a prompt plus the target's greedy response, i.e. a recorded trajectory, so
+    a `ReplayVerifier` answers verification exactly as the target did, at drafter cost only.
+    """
+    from decode.decoders import DecodeConfig, decode_speculative
+    from decode.metrics import tau_per_prompt
+    from decode.verifiers import ReplayVerifier
+    from models.objective import causal_lm
+
+    chosen = [ex for ex in examples if ex.loss_mask.any()][:count]
+
+    def evaluate(model, step):
+        lm = causal_lm(model)
+        prompts, verifiers = [], []
+        for ex in chosen:
+            ids = ex.input_ids.tolist()
+            prompts.append(ids[: int((~ex.loss_mask).sum())])
+            verifiers.append(ReplayVerifier(ids))
+        # The generation's own stop rule, so that every trajectory ends where decoding stops.
+        config = DecodeConfig(max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+        results = decode_speculative("async", lm, verifiers, prompts, config)
+        taus = tau_per_prompt(results)
+        return {"eval_replay_tau": sum(taus) / len(taus) if taus else None}
+
+    return evaluate
+
+
 def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
     """Build, train and save the drafter described by `args` (the parsed CLI flags); return the folder."""
     import shutil
@@ -198,6 +227,11 @@ def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
         max_seconds=args.max_seconds,
     )
     start = time.perf_counter()
+    if eval_fn is None and args.eval_tau:
+        from models.target import load_tokenizer
+
+        eos = load_tokenizer(tokenizer_dir).eos_token_id
+        eval_fn = replay_tau(heldout, args.eval_tau, manifest["max_new_tokens"], (eos,))
     history = train(model, training, config, callback=heldout_callback(heldout, config, eval_fn), device=device)
     seconds = time.perf_counter() - start
     final = next((r for r in reversed(history) if "eval_slot_acc" in r), {})
@@ -261,6 +295,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start from this drafter folder instead of building one (sizes and --init-embeddings ignored)")
     p.add_argument("--save-initial", default=None,
                    help="only build the initial drafter (with its embedding init) and save it here, then exit")
+    p.add_argument("--eval-tau", type=int, default=0,
+                   help="also measure real tau (async decoder, replayed trajectories) on this many held-out "
+                   "sequences at every evaluation (0: off)")
     p.add_argument("--partial-data", action="store_true",
                    help="train on the finished shards of a distillation run that is still going")
     p.add_argument("--max-seconds", type=float, default=0.0,

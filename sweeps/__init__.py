@@ -1,0 +1,1 @@
+"""Optuna studies over pruning settings, and W&B grouping of their trials (not built yet)."""
