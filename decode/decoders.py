@@ -153,6 +153,11 @@ class _Sequence:
 
     def _commit(self, committed: list[int]) -> int:
         kept, self.done = self.stop.truncate(committed, self.generated)
+        if kept[-1] < 0:  # a replay past the end of its trajectory answers -1
+            raise DataError(
+                "the replayed trajectory ended before the stop rule did; record it with the same "
+                "max_new_tokens and stop ids as this run"
+            )
         self.tokens += kept
         self.verifier.commit(len(self.tokens) - 1)
         return len(kept) - 1
@@ -169,11 +174,6 @@ class _Sequence:
             a, bonus = greedy_outcome(drafts, out.tokens)
         else:
             a, bonus = sampled_outcome(drafts, out.probs, self.generator)
-        if bonus < 0:
-            raise DataError(
-                "the replayed trajectory ended before the stop rule did; record it with the same "
-                "max_new_tokens and stop ids as this run"
-            )
         return self._commit(drafts[:a] + [bonus])
 
     def result(self, decoder: str, prefill_s: float, decode_s: float) -> DecodeResult:

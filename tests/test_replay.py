@@ -52,3 +52,15 @@ def test_replay_rejects_a_foreign_prompt(setup):
 
     with pytest.raises(DataError, match="does not start with this prompt"):
         decode_speculative("sync", drafter, [ReplayVerifier(trajectories[0])], [[1, 2, 3, 4, 5, 6]], config)
+
+
+def test_replay_with_a_longer_budget_than_recorded_is_refused(setup):
+    from dataclasses import replace
+
+    from models.errors import DataError
+
+    _, drafter, config, trajectories = setup
+    longer = replace(config, max_new_tokens=config.max_new_tokens + 20, stop_ids=())
+    prompt = prompts()[0]
+    with pytest.raises(DataError, match="ended before the stop rule"):
+        decode_speculative("async", drafter, [ReplayVerifier(trajectories[0])], [prompt], longer)
