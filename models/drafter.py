@@ -64,6 +64,43 @@ def create_drafter(
     return model.eval()
 
 
+def drafter_from_checkpoint(
+    folder: str | os.PathLike,
+    block_size: int = 16,
+    mask_token_id: int | None = None,
+    num_hidden_layers: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Qwen3ForCausalLM:
+    """Initialise a drafter from a pretrained Qwen3 causal-LM folder (safetensors), e.g. a small Qwen3.
+
+    The weights are copied; `num_hidden_layers` keeps only the first layers. When the mask id (default:
+    one past the source vocabulary) has no embedding row yet, the vocabulary grows to a multiple of 64
+    and the new rows start at the mean embedding; ids past the source vocabulary are never proposed.
+    """
+    raw = read_config_json(folder)
+    if raw.get("model_type") != "qwen3":
+        raise ConfigError(f"{folder}: model_type is {raw.get('model_type')!r}; a drafter starts from a qwen3 model")
+    source = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=dtype, attn_implementation="sdpa", use_safetensors=True, trust_remote_code=False
+    )
+    vocab = source.config.vocab_size
+    mask_id = vocab if mask_token_id is None else mask_token_id
+    if mask_id >= vocab:
+        new_vocab = -(-(mask_id + 1) // 64) * 64
+        source.resize_token_embeddings(new_vocab, mean_resizing=True)
+    config = source.config
+    config.block_size, config.mask_token_id = block_size, mask_id
+    config.draft_vocab_size = min(vocab, mask_id)  # padded rows past a mask id inside the vocabulary too
+    layers = num_hidden_layers or config.num_hidden_layers
+    from .surgery import remove_layers  # surgery imports this module
+
+    config.original_layer_indices = list(range(config.num_hidden_layers))
+    drafter = remove_layers(source, range(layers, config.num_hidden_layers)) if layers < config.num_hidden_layers else source
+    drafter.config.original_layer_indices = list(range(layers))  # a fresh drafter: its layers are the originals
+    validate_config(drafter.config)
+    return drafter.eval()
+
+
 def init_embeddings_from(drafter: Qwen3ForCausalLM, source: torch.nn.Module) -> None:
     """Copy the token embedding (and an untied lm_head) rows that `source` has into `drafter`.
 

@@ -288,3 +288,23 @@ def test_reloaded_pruned_model_prunes_again_with_original_indices(exported, ids)
     twice = remove_layers(reloaded, [0, 5])
     assert twice.config.original_layer_indices == [i for i in KEPT if i not in (1, 6)]
     assert_cached_equals_uncached(twice, ids, DynamicCache())
+
+
+def test_drafter_from_a_pretrained_qwen3_checkpoint(tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from models.drafter import drafter_from_checkpoint, load_drafter, save_drafter
+
+    torch.manual_seed(0)
+    source = Qwen3ForCausalLM(Qwen3Config(vocab_size=90, hidden_size=32, intermediate_size=37, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)).eval()
+    source.save_pretrained(tmp_path / "source")
+    drafter = drafter_from_checkpoint(tmp_path / "source", block_size=4, num_hidden_layers=3)
+    config = drafter.config
+    assert (config.block_size, config.mask_token_id, config.draft_vocab_size) == (4, 90, 90)
+    assert config.vocab_size == 128 and config.num_hidden_layers == 3 and len(config.layer_types) == 3
+    assert config.original_layer_indices == [0, 1, 2]
+    assert torch.equal(drafter.model.layers[2].mlp.up_proj.weight, source.model.layers[2].mlp.up_proj.weight)
+    assert torch.equal(drafter.get_input_embeddings().weight[:90], source.get_input_embeddings().weight)
+    save_drafter(drafter, tmp_path / "drafter")
+    assert load_drafter(tmp_path / "drafter").config.mask_token_id == 90
