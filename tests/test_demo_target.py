@@ -19,7 +19,8 @@ import torch
 
 import models._wheels as wheels
 import models.demo as demo
-from models._wheels import WheelFile, default_cache_dir, sha256_of
+from models._wheels import WheelFile, default_cache_dir
+from models.checkpoint import sha256_file
 from models.errors import D3DError, DataError
 from models.target import load_target
 
@@ -76,7 +77,7 @@ def fake_wheel(tmp_path, monkeypatch):
     member = tmp_path / "fake.gguf"
     member.write_bytes(b"GGUF not really")
     spec = WheelFile(demo.DEMO_TARGET_GGUF.dist, demo.DEMO_TARGET_GGUF.version, demo.DEMO_TARGET_GGUF.wheel,
-                     demo.DEMO_TARGET_GGUF.member, sha256_of(member))
+                     demo.DEMO_TARGET_GGUF.member, sha256_file(member))
     (cache / "wheels").mkdir(parents=True)
     with zipfile.ZipFile(cache / "wheels" / spec.wheel, "w") as archive:
         archive.write(member, spec.member)

@@ -17,7 +17,8 @@ import pytest
 
 import models._wheels as wheels
 from decode import suites
-from models._wheels import WheelFile, pinned_file, sha256_of
+from models._wheels import WheelFile, pinned_file
+from models.checkpoint import sha256_file
 from models.errors import DataError
 
 COUNTS = {"humaneval": 164, "mtbench": 80, "champ": 270}
@@ -146,7 +147,7 @@ def fake_spec(tmp_path):
     data = b'{"hello": 1}\n'
     (tmp_path / "member.json").write_bytes(data)
     spec = WheelFile("fakepkg-d3d", "1.0", "fakepkg_d3d-1.0-py3-none-any.whl", "fakepkg_d3d/data/member.json",
-                     sha256_of(tmp_path / "member.json"))
+                     sha256_file(tmp_path / "member.json"))
     return spec, data
 
 
