@@ -45,6 +45,11 @@ def bigram_target(seed: int = 1, layers: int = 2, hidden: int = 48) -> LlamaForC
     return target
 
 
+def prompt_ids(length: int, seed: int = 0) -> list[int]:
+    """A reproducible random prompt of real tokens."""
+    return torch.randint(0, TINY_REAL_VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def _constant_head(model, token: int, embed_vector: torch.Tensor) -> None:
     """Make `model` predict `token` at every position: constant embeddings, silent layers, one head row."""
     with torch.no_grad():
@@ -70,7 +75,7 @@ def constant_pair(block_size: int, drafted: int, predicted: int = 7):
 
 @functools.lru_cache(maxsize=None)
 def trained_drafter(block_size: int = 8, steps: int = 150, seed: int = 0, target_layers: int = 2,
-                    target_hidden: int = 48):
+                    target_hidden: int = 48, num_layers: int = 2):
     """A 2-layer drafter trained on greedy continuations of `bigram_target()`; returns (target, drafter)."""
     from decode.decoders import DecodeConfig, decode_ar
     from models.objective import Example
@@ -84,7 +89,7 @@ def trained_drafter(block_size: int = 8, steps: int = 150, seed: int = 0, target
                                generator=generator).tolist()
         response = decode_ar(target, prompt, DecodeConfig(max_new_tokens=40)).output_ids
         examples.append(Example.from_prompt_response(prompt, response))
-    drafter = build_tiny_drafter(num_hidden_layers=2, block_size=block_size, seed=seed)
+    drafter = build_tiny_drafter(num_hidden_layers=num_layers, block_size=block_size, seed=seed)
     config = TrainConfig(steps=steps, batch_size=16, lr=3e-3, warmup_steps=20, blocks_per_sequence=8,
                          max_length=64, seed=seed, progress=False)
     train(drafter, examples, config)

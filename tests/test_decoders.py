@@ -3,9 +3,8 @@
 from dataclasses import replace
 
 import pytest
-import torch
 
-from _pairs import constant_pair, tiny_target, trained_drafter
+from _pairs import constant_pair, prompt_ids, tiny_target, trained_drafter
 from conftest import build_tiny_drafter
 from decode.decoders import DecodeConfig, decode_ar, decode_speculative
 from decode.verifiers import LiveVerifier
@@ -15,10 +14,6 @@ def run(decoder, drafter, target, prompt, config):
     return decode_speculative(decoder, drafter, [LiveVerifier(target, config.temperature)], [prompt], config)[0]
 
 
-def prompt_of(length: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, 97, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.mark.parametrize("block_size", [4, 8, 16])
 @pytest.mark.parametrize("prompt_len", [1, 13, 40])
 def test_random_drafter_matches_ar(block_size, prompt_len):
@@ -26,7 +21,7 @@ def test_random_drafter_matches_ar(block_size, prompt_len):
     drafter = build_tiny_drafter(num_hidden_layers=2, block_size=block_size, seed=block_size)
     # 29 tokens: the last round ends mid-block for every block size here.
     config = DecodeConfig(max_new_tokens=29, packed_budget=4 * (block_size + 1))
-    prompt = prompt_of(prompt_len, seed=prompt_len)
+    prompt = prompt_ids(prompt_len, seed=prompt_len)
     reference = decode_ar(target, prompt, config).output_ids
     assert len(reference) == 29
     sync = run("sync", drafter, target, prompt, config)
@@ -43,7 +38,7 @@ def test_random_drafter_matches_ar(block_size, prompt_len):
 def test_trained_drafter_matches_ar_with_long_accepts(prompt_len):
     target, drafter = trained_drafter()
     config = DecodeConfig(max_new_tokens=45)
-    prompt = prompt_of(prompt_len, seed=100 + prompt_len)
+    prompt = prompt_ids(prompt_len, seed=100 + prompt_len)
     reference = decode_ar(target, prompt, config).output_ids
     sync = run("sync", drafter, target, prompt, config)
     concurrent = run("async", drafter, target, prompt, config)
@@ -76,7 +71,7 @@ def test_always_wrong_drafter_accepts_nothing():
 
 def test_stop_token_inside_an_accepted_block_ends_output_there():
     target, drafter = trained_drafter()
-    prompt = prompt_of(6, seed=106)
+    prompt = prompt_ids(6, seed=106)
     free = run("async", drafter, target, prompt, DecodeConfig(max_new_tokens=45))
     # Output positions that were accepted drafts (not bonus tokens), excluding the prefill token.
     drafted_positions, position = [], 1
@@ -100,7 +95,7 @@ def test_stop_token_inside_an_accepted_block_ends_output_there():
 
 def test_stop_at_first_token_and_max_new_tokens_one():
     target, drafter = trained_drafter()
-    prompt = prompt_of(5, seed=3)
+    prompt = prompt_ids(5, seed=3)
     first = decode_ar(target, prompt, DecodeConfig(max_new_tokens=1)).output_ids
     assert len(first) == 1
     for config in (DecodeConfig(max_new_tokens=1), DecodeConfig(max_new_tokens=30, stop_ids=(first[0],))):
@@ -112,7 +107,7 @@ def test_stop_at_first_token_and_max_new_tokens_one():
 
 def test_smaller_verify_block_than_drafter_block_is_exact():
     target, drafter = trained_drafter()
-    prompt = prompt_of(9, seed=9)
+    prompt = prompt_ids(9, seed=9)
     config = DecodeConfig(max_new_tokens=33, block_size=5)
     reference = decode_ar(target, prompt, config).output_ids
     for decoder in ("sync", "async"):
