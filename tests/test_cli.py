@@ -34,7 +34,7 @@ def test_help_lists_working_commands_without_importing_torch():
     code = "import sys; from prune.cli import build_parser; h = build_parser().format_help(); " \
            "print(h); assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    for command in ("bench", "validate", "distill", "train-drafter"):
+    for command in ("bench", "score", "validate", "distill", "train-drafter"):
         assert command in out
     help_text = subprocess.run([sys.executable, "-m", "prune", "bench", "--help"], capture_output=True, text=True)
     assert help_text.returncode == 0 and "--max-new-tokens" in help_text.stdout and "default: 128" in help_text.stdout
@@ -133,3 +133,22 @@ def test_prompt_source_flags_are_exclusive(pair_dirs):
     with pytest.raises(SystemExit) as exit_info:
         main(bench_args(pair_dirs, "--suite", "humaneval"))
     assert exit_info.value.code == 2
+
+
+def test_score_json_and_cache(pair_dirs, capsys, tmp_path, monkeypatch):
+    args = ["score", "--drafter", str(pair_dirs / "drafter"), "--target", str(pair_dirs / "target"),
+            "--prompts", str(pair_dirs / "prompts.jsonl"), "--max-new-tokens", "12", "--bootstrap", "50",
+            "--cache-dir", str(tmp_path), "--json", "-"]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert [s["layer"] for s in first["layers"]] == [0, 1]
+    assert first["settings"]["prompts"] == 3 and first["base"]["tau"] >= 1
+    import prune.scoring
+
+    def fail(*_, **__):
+        raise AssertionError("a cached score must not be recomputed")
+
+    monkeypatch.setattr(prune.scoring, "score_layers", fail)
+    monkeypatch.setattr(prune.scoring, "record_trajectories", fail)
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["layers"] == first["layers"]

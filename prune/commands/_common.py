@@ -31,7 +31,8 @@ def add_model_args(parser, target: bool = True) -> None:
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
 
 
-def add_prompt_args(parser, default_suite: str = "humaneval:eval") -> None:
+def add_prompt_args(parser, default_suite: str = "humaneval:eval", max_new_tokens: int = 128,
+                    limit: int | None = None) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--suite", default=None, metavar="NAME[:calib|:eval]",
                         help=f"built-in prompt suite: humaneval, mtbench or champ, optionally one part "
@@ -39,8 +40,8 @@ def add_prompt_args(parser, default_suite: str = "humaneval:eval") -> None:
     source.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                         help="JSONL prompts: records with prompt, messages or input_ids (optional id)")
     parser.set_defaults(default_suite=default_suite)
-    parser.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt at most")
+    parser.add_argument("--limit", type=int, default=limit, help="use the first N prompts (default: all)")
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens generated per prompt at most")
     parser.add_argument("--no-chat-template", action="store_true",
                         help="feed prompt text as is instead of through the tokenizer's chat template")
 

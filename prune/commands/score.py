@@ -1,0 +1,111 @@
+"""`prune score`: per-layer importance, the drop in acceptance length when one layer is removed."""
+
+import sys
+
+from ._common import (
+    add_command,
+    add_debug,
+    add_model_args,
+    add_prompt_args,
+    interactive,
+    model_paths,
+    prompt_records,
+    quiet_libraries,
+    resolve_device,
+    torch_dtype,
+    write_json,
+)
+
+EXAMPLES = """
+examples:
+  prune score --limit 16                                  (the demo pair, humaneval calibration prompts)
+  prune score --drafter DRAFTER --target TARGET --prompts calib.jsonl --criterion speedup --json scores.json
+"""
+
+
+def add_parser(subparsers) -> None:
+    parser = add_command(
+        subparsers,
+        "score",
+        help="score every drafter layer by the drop in acceptance length without it",
+        description="Score each layer of the drafter: tau of the drafter minus tau without that layer, "
+        "measured by the async decoder on calibration prompts (replayed target trajectories by default), "
+        "with a bootstrap confidence interval over prompts and the drafter's pass times without it. "
+        "Layer indices are 0-based. Results are cached by drafter, target, prompts and settings." + EXAMPLES,
+    )
+    add_model_args(parser)
+    add_prompt_args(parser, default_suite="humaneval:calib", max_new_tokens=64, limit=16)
+    parser.add_argument("--criterion", choices=("tau", "speedup"), default="tau",
+                        help="tau: drop in acceptance length; speedup: drop in predicted speedup")
+    parser.add_argument("--verify", choices=("replay", "live"), default="replay",
+                        help="replay: target trajectories recorded once; live: the target in every evaluation")
+    parser.add_argument("--packed-budget", type=int, default=64, help="async: candidate tokens per packed pass")
+    parser.add_argument("--batch-size", type=int, default=16, help="prompts per batched drafter pass (replay)")
+    parser.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the intervals")
+    parser.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    parser.add_argument("--no-cache", action="store_true", help="recompute even when cached results exist")
+    parser.add_argument("--json", metavar="OUT", default=None, help="write the JSON report to OUT ('-' = stdout)")
+    add_debug(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from decode.decoders import DecodeConfig
+    from decode.prompts import check_context, tokenize_records
+    from models._wheels import resolve_cache_dir
+    from models.pair import load_pair
+    from prune.progress import progress_bar
+    from prune.scoring import ScoreConfig, cached_json, fingerprint, record_trajectories, score_layers
+
+    quiet_libraries()
+    device, dtype = resolve_device(args.device), torch_dtype(args.dtype)
+    records, source = prompt_records(args)
+    drafter_dir, target_path = model_paths(args)
+    pair = load_pair(drafter_dir, target_path, dtype, device)
+    prompts = tokenize_records(records, pair.tokenizer, not args.no_chat_template)
+    check_context(prompts, args.max_new_tokens, pair.drafter.config.block_size, pair.max_positions)
+    decode = DecodeConfig(max_new_tokens=args.max_new_tokens, stop_ids=pair.stop_ids, packed_budget=args.packed_budget)
+    config = ScoreConfig(criterion=args.criterion, verify=args.verify, decode=decode, batch_size=args.batch_size,
+                         bootstrap=args.bootstrap, seed=args.seed)
+    config.validate()
+    ids = [p.input_ids for p in prompts]
+    cache = None if args.no_cache else resolve_cache_dir(args.cache_dir)
+    target_key = fingerprint(pair.target, str(dtype))
+    trajectories = None
+    if args.verify == "replay":
+        key = fingerprint("trajectories", target_key, ids, decode.max_new_tokens, decode.stop_ids)
+        trajectories = cached_json(cache / "trajectories" if cache else None, key,
+                                   lambda: record_trajectories(pair.target, ids, decode))
+    key = fingerprint("scores", fingerprint(pair.drafter), target_key, ids, config.criterion, config.verify,
+                      config.bootstrap, config.seed, decode.max_new_tokens, decode.packed_budget, str(device))
+    layers = pair.drafter.config.num_hidden_layers
+    with progress_bar("score", layers, enabled=interactive(args.json)) as advance:
+        report = cached_json(
+            cache / "scores" if cache else None, key,
+            lambda: score_layers(pair.drafter, ids, config, target=pair.target, trajectories=trajectories,
+                                 on_layer=lambda *_: advance()).to_dict(),
+        )
+    report["settings"].update({"drafter": drafter_dir, "target": target_path, "prompts_source": source})
+    write_json(report, args.json)
+    if args.json != "-":
+        print_table(report)
+    return 0
+
+
+def print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    base = report["base"]
+    title = (f"prune score: base tau {base['tau']:.3f} on {report['settings']['prompts']} prompts "
+             f"({report['settings']['criterion']}, {report['settings']['verify']}), least harmful first")
+    table = Table(title=title)
+    for column in ("layer", "original", "delta tau", "95% interval", "tau without", "draft ms", "packed ms",
+                   "pred. speedup"):
+        table.add_column(column, justify="right")
+    for s in sorted(report["layers"], key=lambda s: (s["score"], s["layer"])):
+        speedup = "-" if s["predicted_speedup"] is None else f"{s['predicted_speedup']:.2f}"
+        table.add_row(str(s["layer"]), str(s["original_layer"]), f"{s['delta_tau']:+.3f}",
+                      f"[{s['ci_low']:+.3f}, {s['ci_high']:+.3f}]", f"{s['tau_without']:.3f}",
+                      f"{s['draft_pass_ms']:.1f}", f"{s['packed_pass_ms']:.1f}", speedup)
+    Console(file=sys.stdout).print(table)
