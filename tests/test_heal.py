@@ -1,0 +1,72 @@
+"""LoRA healing, tested as peft tests merging: adapter == merged, nothing of peft remains, it changes weights."""
+
+import pytest
+import torch
+
+from conftest import build_tiny_drafter
+from models.drafter import load_drafter, save_drafter
+from models.objective import Example
+from prune.heal import HealConfig, add_lora, heal
+
+
+def examples(count: int = 8) -> list[Example]:
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, 97, (24,), generator=generator).tolist()
+        out.append(Example.from_prompt_response(ids[:6], ids[6:]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def healed():
+    base = build_tiny_drafter(num_hidden_layers=2, block_size=4)
+    config = HealConfig(steps=6, rank=4, alpha=8, batch_size=4, lr=1e-2)
+    model, history = heal(base, examples(), config)
+    return base, model, history, config
+
+
+def test_adapter_logits_equal_merged_logits():
+    base = build_tiny_drafter(num_hidden_layers=2, block_size=4)
+    peft_model = add_lora(base, HealConfig(rank=4, alpha=8))
+    with torch.no_grad():  # make the adapters non-trivial (B starts at zero)
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with_adapter = peft_model(ids).logits
+        merged = peft_model.merge_and_unload()
+        assert (merged(ids).logits - with_adapter).abs().max() < 1e-4
+        assert (base(ids).logits - with_adapter).abs().max() > 1e-3  # the negative control
+
+
+def test_heal_merges_lowers_loss_and_leaves_no_lora(healed, tmp_path):
+    base, model, history, _ = healed
+    assert len(history) == 6 and history[-1]["loss"] < history[0]["loss"]
+    assert not any("lora" in name for name, _ in model.named_parameters())
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p, dict(base.named_parameters())[n])]
+    assert changed and all(".layers." in n for n in changed)
+    save_drafter(model, tmp_path / "healed")
+    reloaded = load_drafter(tmp_path / "healed")
+    ids = torch.arange(10)[None]
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_heal_is_deterministic_and_leaves_its_input_alone(healed):
+    base, model, _, config = healed
+    again, _ = heal(base, examples(), config)
+    for (name, a), (_, b) in zip(model.named_parameters(), again.named_parameters()):
+        assert torch.equal(a, b), name
+    fresh = build_tiny_drafter(num_hidden_layers=2, block_size=4)
+    for (name, a), (_, b) in zip(base.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_bad_heal_settings():
+    from models.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--lora-rank"):
+        HealConfig(rank=0).validate()
