@@ -216,6 +216,7 @@ def save_drafter(
     overwrite: bool = False,
     dtype: torch.dtype | None = None,
     extra_files: dict[str, str] | None = None,
+    before_commit=None,
 ) -> Path:
     """Write a drafter folder atomically: config.json, model.safetensors, tokenizer files, extra text files.
 
@@ -223,6 +224,7 @@ def save_drafter(
         tokenizer_source: a folder whose tokenizer files are copied alongside (usually the source drafter).
         dtype: cast the saved weights (e.g. torch.bfloat16); the in-memory model is not changed.
         extra_files: `{file name: text}` written into the folder before it is renamed into place.
+        before_commit: optional callable(temporary folder) run last, e.g. to record hashes of the files.
     """
     validate_config(model.config)
     with atomic_folder(folder, overwrite=overwrite) as tmp:
@@ -234,6 +236,8 @@ def save_drafter(
             copy_tokenizer_files(tokenizer_source, tmp)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
+        if before_commit is not None:
+            before_commit(tmp)
     return Path(folder)
 
 
