@@ -34,7 +34,7 @@ def test_help_lists_working_commands_without_importing_torch():
     code = "import sys; from prune.cli import build_parser; h = build_parser().format_help(); " \
            "print(h); assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    for command in ("bench", "score", "validate", "distill", "train-drafter"):
+    for command in ("bench", "score", "run", "validate", "distill", "train-drafter"):
         assert command in out
     help_text = subprocess.run([sys.executable, "-m", "prune", "bench", "--help"], capture_output=True, text=True)
     assert help_text.returncode == 0 and "--max-new-tokens" in help_text.stdout and "default: 128" in help_text.stdout
@@ -152,3 +152,21 @@ def test_score_json_and_cache(pair_dirs, capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(prune.scoring, "record_trajectories", fail)
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)["layers"] == first["layers"]
+
+
+def test_run_resume_and_bad_inputs(pair_dirs, capsys, tmp_path):
+    base = ["run", "--drafter", str(pair_dirs / "drafter"), "--target", str(pair_dirs / "target"),
+            "--prompts", str(pair_dirs / "prompts.jsonl"), "--max-new-tokens", "12", "--out", str(tmp_path / "out"),
+            "--min-retention", "0.01", "--no-speedup-stop"]
+    assert main(base + ["--layers-to-remove", "1", "--json", "-"]) == 0
+    state = json.loads(capsys.readouterr().out)
+    assert len(state["history"]) == 1 and state["stopped_by"] == "layer budget"
+    assert (tmp_path / "out" / "step-01" / "prune_report.json").is_file()
+    assert "not empty" in error_of(capsys, base + ["--layers-to-remove", "1"])
+    assert main(base + ["--layers-to-remove", "1", "--resume"]) == 0
+    capsys.readouterr()
+    assert "another --out" in error_of(capsys, base + ["--layers-to-remove", "1", "--seed", "1", "--resume"])
+    fresh = [a if a != str(tmp_path / "out") else str(tmp_path / "new") for a in base]
+    assert "--layers-to-remove 2" in error_of(capsys, fresh + ["--layers-to-remove", "2"])
+    assert "--min-retention" in error_of(capsys, fresh[:-3] + ["--min-retention", "0"])
+    assert "no pruning run to resume" in error_of(capsys, fresh + ["--resume"])
