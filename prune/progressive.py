@@ -23,6 +23,7 @@ from models.surgery import remove_layers
 
 from .export import export_step
 from .heal import HealConfig, heal
+from .report import write_report
 from .scoring import ScoreConfig, evaluate, pass_times_ms, score_layers, target_times_ms
 
 STATE_NAME = "state.json"
@@ -176,6 +177,7 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
         _save_state(out, state)
     _save_state(out, state)
     _link_final(out, state)
+    write_report(out, state)
     return state
 
 

@@ -53,6 +53,10 @@ def test_run_exports_steps_and_a_resumed_run_ends_identically(campaign, tmp_path
     full = run(campaign, tmp_path / "full", config_of(decode))
     assert [h["layers"] for h in full["history"]] == [2, 1] and full["stopped_by"] == "layer budget"
     assert (tmp_path / "full" / "final").resolve() == (tmp_path / "full" / "step-02").resolve()
+    report = (tmp_path / "full" / "report.md").read_text()
+    assert "Stopped by: layer budget" in report and report.count("\n| ") >= 3
+    for plot in ("layer_scores.png", "tau_vs_layers_removed.png", "heal_loss.png"):
+        assert (tmp_path / "full" / plot).read_bytes()[:4] == b"\x89PNG"
     kept = json.loads((tmp_path / "full" / "step-02" / "config.json").read_text())["original_layer_indices"]
     removed = [i for h in full["history"] for i in h["removed_original"]]
     assert sorted(kept + removed) == [0, 1, 2]

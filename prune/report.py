@@ -1,0 +1,112 @@
+"""The local report of a pruning run: OUT/report.md and PNG plots, for users without W&B.
+
+Plots (matplotlib, Agg backend): a heatmap of layer scores (steps x original layer index, 0-based),
+tau and predicted speedup against layers removed, and the heal loss curves.
+"""
+
+from pathlib import Path
+
+
+def write_report(out, state: dict) -> list[Path]:
+    """Write report.md and the plots for `state` (a prune.progressive state); returns the files written."""
+    out = Path(out)
+    files = [_heatmap(out, state), _curve(out, state), _heal_losses(out, state)]
+    files = [f for f in files if f is not None]
+    (out / "report.md").write_text(_markdown(state, files))
+    return [out / "report.md", *files]
+
+
+def _markdown(state: dict, plots: list[Path]) -> str:
+    base = state["base"]
+    lines = [
+        "# Pruning report",
+        "",
+        f"Source drafter: `{state['source']}`. Unpruned calibration tau {base['tau']:.3f}"
+        + (f", predicted speedup {base['predicted_speedup']:.2f}x." if base.get("predicted_speedup") else "."),
+        f"Stopped by: {state['stopped_by']}.",
+        "",
+        "Layer indices are 0-based indices in the unpruned drafter.",
+        "",
+        "| step | removed | layers | tau before heal | tau | retention | heal | predicted speedup |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for h in state["history"]:
+        heal = "rolled back" if h["heal_rolled_back"] else ("kept" if h["heal_loss"] else "off")
+        speedup = "-" if h["predicted_speedup"] is None else f"{h['predicted_speedup']:.2f}x"
+        lines.append(f"| {h['step']} | {h['removed_original']} | {h['layers']} | {h['tau_before_heal']:.3f} | "
+                     f"{h['tau']:.3f} | {h['retention']:.4f} | {heal} | {speedup} |")
+    lines += ["", *[f"![{p.stem}]({p.name})" for p in plots], ""]
+    return "\n".join(lines)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _heatmap(out: Path, state: dict) -> Path | None:
+    if not state["history"]:
+        return None
+    import numpy as np
+
+    plt = _pyplot()
+    width = state["timing"]["layers"]
+    grid = np.full((len(state["history"]), width), np.nan)
+    for row, h in enumerate(state["history"]):
+        for s in h["scores"]:
+            grid[row, s["original_layer"]] = s["score"]
+    fig, ax = plt.subplots(figsize=(max(6, width * 0.3), 1.5 + 0.4 * len(grid)))
+    image = ax.imshow(grid, aspect="auto", cmap="viridis")
+    ax.set_xticks(range(width), [str(i) for i in range(width)], fontsize=7)
+    ax.set_xlabel("original layer index (0-based)")
+    ax.set_ylabel("step")
+    ax.set_yticks(range(len(grid)), [str(h["step"]) for h in state["history"]])
+    fig.colorbar(image, ax=ax, label="score (drop when removed)")
+    fig.tight_layout()
+    path = out / "layer_scores.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _curve(out: Path, state: dict) -> Path:
+    plt = _pyplot()
+    removed = [0] + [state["timing"]["layers"] - h["layers"] for h in state["history"]]
+    taus = [state["base"]["tau"]] + [h["tau"] for h in state["history"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(removed, taus, "o-", label="tau (calibration)")
+    ax.set_xlabel("layers removed")
+    ax.set_ylabel("tau")
+    speedups = [state["base"].get("predicted_speedup")] + [h["predicted_speedup"] for h in state["history"]]
+    if all(s is not None for s in speedups):
+        twin = ax.twinx()
+        twin.plot(removed, speedups, "s--", color="tab:orange", label="predicted speedup")
+        twin.set_ylabel("predicted speedup (x)")
+    fig.legend(loc="lower left")
+    fig.tight_layout()
+    path = out / "tau_vs_layers_removed.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _heal_losses(out: Path, state: dict) -> Path | None:
+    curves = [(h["step"], h["heal_loss"]) for h in state["history"] if h["heal_loss"]]
+    if not curves:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for step, losses in curves:
+        ax.plot(range(1, len(losses) + 1), losses, label=f"step {step}")
+    ax.set_xlabel("heal update")
+    ax.set_ylabel("drafter loss")
+    ax.legend()
+    fig.tight_layout()
+    path = out / "heal_loss.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
