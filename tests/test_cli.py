@@ -34,7 +34,7 @@ def test_help_lists_working_commands_without_importing_torch():
     code = "import sys; from prune.cli import build_parser; h = build_parser().format_help(); " \
            "print(h); assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    for command in ("bench", "score", "run", "validate", "distill", "train-drafter"):
+    for command in ("bench", "score", "run", "export", "validate", "distill", "train-drafter"):
         assert command in out
     help_text = subprocess.run([sys.executable, "-m", "prune", "bench", "--help"], capture_output=True, text=True)
     assert help_text.returncode == 0 and "--max-new-tokens" in help_text.stdout and "default: 128" in help_text.stdout
@@ -170,3 +170,14 @@ def test_run_resume_and_bad_inputs(pair_dirs, capsys, tmp_path):
     assert "--layers-to-remove 2" in error_of(capsys, fresh + ["--layers-to-remove", "2"])
     assert "--min-retention" in error_of(capsys, fresh[:-3] + ["--min-retention", "0"])
     assert "no pruning run to resume" in error_of(capsys, fresh + ["--resume"])
+
+    assert main(["export", str(tmp_path / "out" / "final"), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    from safetensors import safe_open
+
+    from prune.export import verify_export
+
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as handle:
+        assert {handle.get_slice(k).get_dtype() for k in handle.keys()} == {"BF16"}
+    assert verify_export(tmp_path / "bf16") == []
+    assert json.loads((tmp_path / "bf16" / "prune_report.json").read_text())["history"][0]["step"] == 1
+    assert "not empty" in error_of(capsys, ["export", str(tmp_path / "out" / "final"), str(tmp_path / "bf16")])

@@ -3,6 +3,6 @@
 A command is listed here only once it works end to end.
 """
 
-from . import bench, distill, run, score, train_drafter, validate
+from . import bench, distill, export, run, score, train_drafter, validate
 
-COMMANDS = (bench, score, run, validate, distill, train_drafter)
+COMMANDS = (bench, score, run, export, validate, distill, train_drafter)

@@ -1,0 +1,43 @@
+"""`prune export`: re-export a pruning step (or any drafter folder) in another dtype."""
+
+from ._common import DTYPES, add_command, add_debug
+
+
+def add_parser(subparsers) -> None:
+    parser = add_command(
+        subparsers,
+        "export",
+        help="re-export a pruned step in another dtype (e.g. bfloat16 for serving)",
+        description="Write a copy of a drafter folder (e.g. OUT/step-03 of `prune run`) with its weights cast to "
+        "--dtype, atomically, keeping the tokenizer files, generation config, model card and pruning report "
+        "(with fresh file hashes).\n\nexample:\n  prune export pruned/final pruned-bf16 --dtype bfloat16",
+    )
+    parser.add_argument("source", help="drafter folder to export (a `prune run` step or any drafter)")
+    parser.add_argument("destination", help="new folder (must not exist or be empty unless --overwrite)")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype of the exported weights")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
+    add_debug(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    import json
+    from pathlib import Path
+
+    from models.drafter import load_drafter
+    from prune.export import REPORT_NAME, export_step
+
+    from ._common import quiet_libraries, torch_dtype
+
+    quiet_libraries()
+    source = Path(args.source).resolve()
+    model = load_drafter(source)
+    report_file = source / REPORT_NAME
+    report = json.loads(report_file.read_text()) if report_file.is_file() else {}
+    history = report.pop("history", [])
+    report.pop("files", None)
+    report["exported_from"] = str(source)
+    export_step(model, args.destination, source, report, history, dtype=torch_dtype(args.dtype),
+                overwrite=args.overwrite)
+    print(args.destination)
+    return 0
