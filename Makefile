@@ -23,9 +23,14 @@ data: setup
 test: setup data
 	$(BIN)/python -m pytest
 
+# The main job. Until the trained demo drafter ships (models/demo_drafter), it runs on a tiny pair built
+# and trained here in about a minute: a costly 12-layer target and a 2-layer block-diffusion drafter.
+DEMO_DIR ?= .demo/tiny-pair
 demo: setup
 	$(BIN)/prune --help
-	$(BIN)/prune demo-check
+	$(BIN)/python tests/make_tiny_pair.py $(DEMO_DIR)
+	$(BIN)/prune bench --drafter $(DEMO_DIR)/drafter --target $(DEMO_DIR)/target --prompts $(DEMO_DIR)/prompts.jsonl --max-new-tokens 96
+	$(BIN)/prune score --drafter $(DEMO_DIR)/drafter --target $(DEMO_DIR)/target --prompts $(DEMO_DIR)/prompts.jsonl --max-new-tokens 96 --no-cache
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -22,6 +22,9 @@ from models.drafter import save_drafter  # noqa: E402
 
 
 def main(out: str) -> None:
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
     torch.set_num_threads(1)
     target, drafter = trained_drafter(block_size=16, steps=300, target_layers=12, target_hidden=384)
     target.config.eos_token_id = None

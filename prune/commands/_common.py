@@ -106,6 +106,13 @@ def write_json(document: dict, destination: str | None) -> None:
             handle.write(text + "\n")
 
 
+def stdout_console():
+    """A rich console on stdout; 120 columns when stdout is not a terminal (files, pipes, CI logs)."""
+    from rich.console import Console
+
+    return Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120)
+
+
 def interactive(json_destination: str | None) -> bool:
     """Progress bars only when a person watches: stderr is a terminal and JSON does not go to stdout."""
     return sys.stderr.isatty() and json_destination != "-"

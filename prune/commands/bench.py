@@ -1,7 +1,6 @@
 """`prune bench`: acceptance length, speed and exactness of ar / sync / async on a prompt set."""
 
 import json
-import sys
 
 from ._common import (
     add_command,
@@ -12,6 +11,7 @@ from ._common import (
     model_paths,
     prompt_records,
     quiet_libraries,
+    stdout_console,
     resolve_device,
     torch_dtype,
     write_json,
@@ -108,7 +108,6 @@ def _save_outputs(path: str, prompts, outputs: dict, tokenizer) -> None:
 
 
 def print_table(report: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"prune bench: {report['prompts']} prompts, verify={report['settings']['verify']}")
@@ -121,7 +120,7 @@ def print_table(report: dict) -> None:
             _fmt(d.get("tokens_per_s"), 1), _fmt(d.get("speedup_vs_ar")), _fmt(d.get("exact_match_vs_ar")),
             _fmt(d.get("hit_rate")),
         )
-    Console(file=sys.stdout).print(table)
+    stdout_console().print(table)
 
 
 def _fmt(value, digits: int = 2) -> str:

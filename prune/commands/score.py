@@ -1,6 +1,5 @@
 """`prune score`: per-layer importance, the drop in acceptance length when one layer is removed."""
 
-import sys
 
 from ._common import (
     add_command,
@@ -11,6 +10,7 @@ from ._common import (
     model_paths,
     prompt_records,
     quiet_libraries,
+    stdout_console,
     resolve_device,
     torch_dtype,
     write_json,
@@ -93,7 +93,6 @@ def run(args) -> int:
 
 
 def print_table(report: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     base = report["base"]
@@ -108,4 +107,4 @@ def print_table(report: dict) -> None:
         table.add_row(str(s["layer"]), str(s["original_layer"]), f"{s['delta_tau']:+.3f}",
                       f"[{s['ci_low']:+.3f}, {s['ci_high']:+.3f}]", f"{s['tau_without']:.3f}",
                       f"{s['draft_pass_ms']:.1f}", f"{s['packed_pass_ms']:.1f}", speedup)
-    Console(file=sys.stdout).print(table)
+    stdout_console().print(table)
