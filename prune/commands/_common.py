@@ -116,3 +116,22 @@ def stdout_console():
 def interactive(json_destination: str | None) -> bool:
     """Progress bars only when a person watches: stderr is a terminal and JSON does not go to stdout."""
     return sys.stderr.isatty() and json_destination != "-"
+
+
+def load_pair_and_prompts(args):
+    """Everything a measuring command starts from: (pair, tokenized prompts, drafter dir, target path, source).
+
+    Prompts are read before any model loads, so a bad prompt file fails at once; the context check runs
+    after tokenization.
+    """
+    from decode.prompts import check_context, tokenize_records
+    from models.pair import load_pair
+
+    quiet_libraries()
+    device, dtype = resolve_device(args.device), torch_dtype(args.dtype)
+    records, source = prompt_records(args)
+    drafter_dir, target_path = model_paths(args)
+    pair = load_pair(drafter_dir, target_path, dtype, device)
+    prompts = tokenize_records(records, pair.tokenizer, not args.no_chat_template)
+    check_context(prompts, args.max_new_tokens, pair.drafter.config.block_size, pair.max_positions)
+    return pair, prompts, drafter_dir, target_path, source

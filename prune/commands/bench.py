@@ -8,12 +8,8 @@ from ._common import (
     add_model_args,
     add_prompt_args,
     interactive,
-    model_paths,
-    prompt_records,
-    quiet_libraries,
+    load_pair_and_prompts,
     stdout_console,
-    resolve_device,
-    torch_dtype,
     write_json,
 )
 
@@ -58,17 +54,8 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from decode.bench import BenchConfig, run_bench
     from decode.decoders import DECODERS, DecodeConfig
-    from decode.prompts import check_context
-    from decode.prompts import tokenize_records
-    from models.pair import load_pair
 
-    quiet_libraries()
-    device, dtype = resolve_device(args.device), torch_dtype(args.dtype)
-    records, source = prompt_records(args)
-    drafter_dir, target_path = model_paths(args)
-    pair = load_pair(drafter_dir, target_path, dtype, device)
-    prompts = tokenize_records(records, pair.tokenizer, not args.no_chat_template)
-    check_context(prompts, args.max_new_tokens, pair.drafter.config.block_size, pair.max_positions)
+    pair, prompts, drafter_dir, target_path, source = load_pair_and_prompts(args)
     decode = DecodeConfig(
         max_new_tokens=args.max_new_tokens,
         block_size=args.block_size,

@@ -8,11 +8,7 @@ from ._common import (
     add_debug,
     add_model_args,
     add_prompt_args,
-    model_paths,
-    prompt_records,
-    quiet_libraries,
-    resolve_device,
-    torch_dtype,
+    load_pair_and_prompts,
     write_json,
 )
 
@@ -62,21 +58,13 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from decode.decoders import DecodeConfig
-    from decode.prompts import check_context, tokenize_records
-    from models.pair import load_pair
     from prune.heal import HealConfig
     from prune.progressive import RunConfig, check_resumable, run_pruning
     from prune.scoring import ScoreConfig, record_trajectories
 
-    quiet_libraries()
     if args.resume:
         check_resumable(args.out)
-    device, dtype = resolve_device(args.device), torch_dtype(args.dtype)
-    records, _ = prompt_records(args)
-    drafter_dir, target_path = model_paths(args)
-    pair = load_pair(drafter_dir, target_path, dtype, device)
-    tokenized = tokenize_records(records, pair.tokenizer, not args.no_chat_template)
-    check_context(tokenized, args.max_new_tokens, pair.drafter.config.block_size, pair.max_positions)
+    pair, tokenized, drafter_dir, _, _ = load_pair_and_prompts(args)
     prompts = [p.input_ids for p in tokenized]
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens, stop_ids=pair.stop_ids, packed_budget=args.packed_budget)
     config = RunConfig(

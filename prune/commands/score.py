@@ -7,12 +7,8 @@ from ._common import (
     add_model_args,
     add_prompt_args,
     interactive,
-    model_paths,
-    prompt_records,
-    quiet_libraries,
+    load_pair_and_prompts,
     stdout_console,
-    resolve_device,
-    torch_dtype,
     write_json,
 )
 
@@ -51,19 +47,12 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from decode.decoders import DecodeConfig
-    from decode.prompts import check_context, tokenize_records
     from models._wheels import resolve_cache_dir
-    from models.pair import load_pair
     from prune.progress import progress_bar
     from prune.scoring import ScoreConfig, cached_json, fingerprint, record_trajectories, score_layers
 
-    quiet_libraries()
-    device, dtype = resolve_device(args.device), torch_dtype(args.dtype)
-    records, source = prompt_records(args)
-    drafter_dir, target_path = model_paths(args)
-    pair = load_pair(drafter_dir, target_path, dtype, device)
-    prompts = tokenize_records(records, pair.tokenizer, not args.no_chat_template)
-    check_context(prompts, args.max_new_tokens, pair.drafter.config.block_size, pair.max_positions)
+    pair, prompts, drafter_dir, target_path, source = load_pair_and_prompts(args)
+    device, dtype = next(pair.drafter.parameters()).device, next(pair.drafter.parameters()).dtype
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens, stop_ids=pair.stop_ids, packed_budget=args.packed_budget)
     config = ScoreConfig(criterion=args.criterion, verify=args.verify, decode=decode, batch_size=args.batch_size,
                          bootstrap=args.bootstrap, seed=args.seed)
