@@ -166,9 +166,15 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
             "scores": [asdict(s) for s in scores.layers],
         }
         history = state["history"] + [record]
-        export_step(healed, out / record["folder"], source_dir,
-                    {"settings": state["config"], "base": state["base"], "timing": state["timing"]},
-                    [{k: v for k, v in h.items() if k != "scores"} for h in history], overwrite=True)
+        try:
+            export_step(healed, out / record["folder"], source_dir,
+                        {"settings": state["config"], "base": state["base"], "timing": state["timing"]},
+                        [{k: v for k, v in h.items() if k != "scores"} for h in history], overwrite=True)
+        except OSError as exc:
+            raise CheckpointError(
+                f"could not write {out / record['folder']} ({exc.strerror or exc}); the run is intact up to step "
+                f"{step - 1}: free disk space and rerun with --resume"
+            ) from None
         state["history"] = history
         removed_total += len(chosen)
         current = healed

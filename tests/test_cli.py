@@ -181,3 +181,35 @@ def test_run_resume_and_bad_inputs(pair_dirs, capsys, tmp_path):
     assert verify_export(tmp_path / "bf16") == []
     assert json.loads((tmp_path / "bf16" / "prune_report.json").read_text())["history"][0]["step"] == 1
     assert "not empty" in error_of(capsys, ["export", str(tmp_path / "out" / "final"), str(tmp_path / "bf16")])
+
+
+def test_bench_on_an_exported_step_reproduces_its_tau(pair_dirs, capsys, tmp_path):
+    common = ["--target", str(pair_dirs / "target"), "--prompts", str(pair_dirs / "prompts.jsonl"),
+              "--max-new-tokens", "12"]
+    assert main(["run", "--drafter", str(pair_dirs / "drafter"), *common, "--out", str(tmp_path / "out"),
+                 "--layers-to-remove", "1", "--min-retention", "0.01", "--no-speedup-stop", "--json", "-"]) == 0
+    reported = json.loads(capsys.readouterr().out)["history"][0]["tau"]
+    assert main(["bench", "--drafter", str(tmp_path / "out" / "step-01"), *common, "--decoder", "async",
+                 "--verify", "replay", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["decoders"]["async"]["tau_macro"] == pytest.approx(reported)
+
+
+def test_disk_error_during_export_fails_cleanly_and_resumes(pair_dirs, capsys, tmp_path, monkeypatch):
+    import errno
+
+    import prune.export
+
+    args = ["run", "--drafter", str(pair_dirs / "drafter"), "--target", str(pair_dirs / "target"),
+            "--prompts", str(pair_dirs / "prompts.jsonl"), "--max-new-tokens", "12", "--out", str(tmp_path / "out"),
+            "--layers-to-remove", "1", "--min-retention", "0.01", "--no-speedup-stop"]
+
+    def full_disk(*_, **__):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real = prune.export.save_drafter
+    monkeypatch.setattr(prune.export, "save_drafter", full_disk)
+    assert "No space left on device" in error_of(capsys, args)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["state.json"]
+    monkeypatch.setattr(prune.export, "save_drafter", real)
+    assert main(args + ["--resume"]) == 0
+    assert (tmp_path / "out" / "step-01" / "model.safetensors").is_file()
