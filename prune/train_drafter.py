@@ -237,7 +237,8 @@ def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
     final = next((r for r in reversed(history) if "eval_slot_acc" in r), {})
     provenance = {
         "what": "d3d-prune demo drafter, trained from scratch by prune.train_drafter",
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "overwrite", "no_progress")},
+        "settings": {k: v for k, v in vars(args).items()
+                     if k not in ("out", "overwrite", "no_progress") and not callable(v)},
         "train_config": {k: v for k, v in vars(config).items()},
         "device": str(device), "torch_version": torch.__version__, "parameters": params,
         "embedding_init": init_note, "data_manifest": manifest, "train_sequences": len(training),
@@ -246,7 +247,7 @@ def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
     }
     folder = save_drafter(model.float().cpu(), out, tokenizer_source=tokenizer_dir, overwrite=args.overwrite,
                           dtype=torch.bfloat16,
-                          extra_files={"training.json": json.dumps(provenance, indent=2, sort_keys=True) + "\n"})
+                          extra_files={"training.json": json.dumps(provenance, indent=2, sort_keys=True, default=str) + "\n"})
     if not args.keep_checkpoints:
         shutil.rmtree(checkpoint_dir, ignore_errors=True)
     print(f"saved the drafter to {folder}", file=sys.stderr)

@@ -213,3 +213,25 @@ def test_disk_error_during_export_fails_cleanly_and_resumes(pair_dirs, capsys, t
     monkeypatch.setattr(prune.export, "save_drafter", real)
     assert main(args + ["--resume"]) == 0
     assert (tmp_path / "out" / "step-01" / "model.safetensors").is_file()
+
+
+def test_train_drafter_command_from_an_initial_drafter(tmp_path, capsys):
+    from models.drafter import load_drafter
+
+    data = tmp_path / "data"
+    data.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    records = [{"id": str(i), "prompt_ids": torch.randint(0, 97, (5,), generator=gen).tolist(),
+                "response_ids": torch.randint(0, 97, (20,), generator=gen).tolist()} for i in range(10)]
+    (data / "shard-00000.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    (data / "manifest.json").write_text(json.dumps({"shards": 1, "max_new_tokens": 20}))
+    save_drafter(build_tiny_drafter(num_hidden_layers=2, block_size=4), tmp_path / "init")
+    args = ["train-drafter", "--data", str(data), "--init-from", str(tmp_path / "init"), "--out",
+            str(tmp_path / "trained"), "--steps", "3", "--batch-size", "2", "--eval-size", "2", "--eval-every", "0",
+            "--checkpoint-every", "0", "--warmup-steps", "1", "--no-progress", "--device", "cpu"]
+    assert main(args) == 0
+    provenance = json.loads((tmp_path / "trained" / "training.json").read_text())
+    assert provenance["train_sequences"] == 8 and provenance["settings"]["steps"] == 3
+    assert load_drafter(tmp_path / "trained").config.num_hidden_layers == 2
+    capsys.readouterr()
+    assert "not empty" in error_of(capsys, args)
