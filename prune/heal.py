@@ -7,7 +7,7 @@ loss, and is merged into the weights with `merge_and_unload`, so the healed draf
 """
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -41,7 +41,6 @@ class HealConfig:
     blocks_per_sequence: int = 16
     max_length: int = 320
     seed: int = 0
-    train_overrides: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.steps < 0 or self.rank < 1 or self.alpha <= 0:
@@ -54,7 +53,7 @@ class HealConfig:
         return TrainConfig(
             steps=self.steps, batch_size=self.batch_size, lr=self.lr, warmup_steps=min(self.warmup_steps, self.steps),
             blocks_per_sequence=self.blocks_per_sequence, max_length=self.max_length, seed=self.seed,
-            progress=False, **self.train_overrides,
+            progress=False,
         )
 
 

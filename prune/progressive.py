@@ -24,7 +24,7 @@ from models.surgery import remove_layers
 from .export import export_step
 from .heal import HealConfig, heal
 from .report import write_report
-from .scoring import ScoreConfig, evaluate, pass_times_ms, score_layers, target_times_ms
+from .scoring import Evaluation, ScoreConfig, evaluate, pass_times_ms, score_layers, target_times_ms
 
 STATE_NAME = "state.json"
 
@@ -132,7 +132,11 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
         scores = score_layers(current, prompts, config.score, target=target, trajectories=trajectories)
         chosen = sorted(s.layer for s in scores.ranking()[:k])
         reduced = remove_layers(current, chosen)
-        before = evaluate(reduced, prompts, config.score, trajectories, target)
+        if k == 1:  # scoring already measured the drafter without exactly this layer
+            removed = scores.layers[chosen[0]]
+            before = Evaluation([], removed.tau_without, None, removed.fallback_rate)
+        else:
+            before = evaluate(reduced, prompts, config.score, trajectories, target)
         healed, losses, rolled_back = reduced, [], False
         if heal_examples and config.heal.steps > 0:
             candidate, losses = heal(reduced, heal_examples, config.heal)

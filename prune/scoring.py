@@ -87,6 +87,7 @@ class LayerScore:
     layer: int
     original_layer: int
     tau_without: float
+    fallback_rate: float | None
     delta_tau: float
     ci_low: float
     ci_high: float
@@ -234,8 +235,8 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
         speedup = predicted_speedup(evaluation, draft_ms, packed_ms, verify_ms, ar_ms)
         delta = base.tau - evaluation.tau
         score = delta if config.criterion == "tau" else base_speedup - speedup
-        scores.append(LayerScore(layer, original[layer], evaluation.tau, delta, low, high, draft_ms, packed_ms,
-                                 speedup, score))
+        scores.append(LayerScore(layer, original[layer], evaluation.tau, evaluation.fallback_rate, delta, low, high,
+                                 draft_ms, packed_ms, speedup, score))
         if on_layer is not None:
             on_layer(layer, scores[-1])
         del reduced

@@ -104,6 +104,12 @@ def heldout_callback(examples, config, eval_fn=None, batch_size: int = 16):
     return callback
 
 
+def read_manifest(data: str | Path) -> dict:
+    """The distillation folder's manifest.json (settings and target path), or {} when it has none."""
+    file = Path(data) / "manifest.json"
+    return json.loads(file.read_text()) if file.is_file() else {}
+
+
 def build_initial_drafter(args: argparse.Namespace):
     """A fresh drafter for the target named by `args` (or the data manifest): (model, init note, parameters)."""
     import torch
@@ -112,9 +118,7 @@ def build_initial_drafter(args: argparse.Namespace):
     from models.errors import ConfigError, DataError
     from models.target import load_target, load_tokenizer
 
-    manifest_file = Path(args.data) / "manifest.json"
-    manifest = json.loads(manifest_file.read_text()) if manifest_file.is_file() else {}
-    target_dir = Path(args.target or manifest.get("target") or "")
+    target_dir = Path(args.target or read_manifest(args.data).get("target") or "")
     tokenizer = load_tokenizer(target_dir) if target_dir.is_dir() else None
     if tokenizer is None:
         raise DataError(f"target folder {str(target_dir) or '(none)'} has no tokenizer; pass --target, the folder "
@@ -192,16 +196,14 @@ def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
     bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
     if args.save_initial:
         model, init_note, _ = build_initial_drafter(args)
-        manifest_file = Path(args.data) / "manifest.json"
-        target_dir = Path(args.target or json.loads(manifest_file.read_text())["target"])
+        target_dir = Path(args.target or read_manifest(args.data).get("target") or "")
         print(f"embedding init: {init_note}", file=sys.stderr)
         return save_drafter(model, args.save_initial, tokenizer_source=target_dir, overwrite=args.overwrite,
                             dtype=torch.bfloat16)
     if not args.out:
         raise DataError("--out is required (the folder the trained drafter is written to)")
     out = ensure_writable_output(args.out, args.overwrite)
-    manifest = json.loads((Path(args.data) / "manifest.json").read_text()) if (Path(args.data) / "manifest.json"
-                                                                              ).is_file() else {}
+    manifest = read_manifest(args.data)
     if args.init_from:
         # Start from a saved drafter (e.g. one built here with the PCA embedding, trained on another machine).
         model, init_note, tokenizer_dir = load_drafter(args.init_from), f"from {args.init_from}", Path(args.init_from)
