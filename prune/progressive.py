@@ -69,7 +69,8 @@ def _save_state(out: Path, state: dict) -> None:
     os.replace(tmp, out / STATE_NAME)
 
 
-def _predicted_speedup(evaluation, layers: int, timing: dict) -> float | None:
+def predicted_speedup_at(evaluation, layers: int, timing: dict) -> float | None:
+    """Predicted speedup of a drafter with `layers` layers from the campaign's timing (see module docstring)."""
     if timing.get("verify_ms") is None:
         return None
     scale = layers / timing["layers"]
@@ -79,7 +80,7 @@ def _predicted_speedup(evaluation, layers: int, timing: dict) -> float | None:
 
 
 def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=None, trajectories=None,
-                heal_examples=None, resume: bool = False, log=print) -> dict:
+                heal_examples=None, resume: bool = False, log=print, on_step=None) -> dict:
     """Run (or resume) a pruning campaign into folder `out`; returns the final state.
 
     Args:
@@ -87,12 +88,16 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
         source_dir: its folder (tokenizer files, generation config and provenance for the exports).
         prompts: calibration prompts (token ids); trajectories: their recorded target trajectories (replay).
         heal_examples: distillation `Example`s for healing (None or empty disables healing).
+        on_step: optional callback(record, state) after each step is exported and saved (record = the step's
+            entry of state["history"]). A returned string stops the run there, as a stop rule does: it becomes
+            `stopped_by`, and the run ends normally (OUT/final, report). Used by sweeps (Optuna pruning) and
+            tracking (W&B).
     """
     out = Path(out)
     state_file = out / STATE_NAME
     if resume and state_file.is_file():
         state = json.loads(state_file.read_text())
-        if state["config"] != _config_record(config):
+        if state["config"] != config_record(config):
             raise ConfigError(f"{out} holds a run with other settings; resume it with the same flags or choose "
                               "another --out")
         current = load_drafter(out / state["history"][-1]["folder"]) if state["history"] else drafter
@@ -102,7 +107,7 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
             ensure_writable_output(out)
         out.mkdir(parents=True, exist_ok=True)
         config.validate(drafter.config.num_hidden_layers)
-        state = {"config": _config_record(config), "source": str(source_dir), "history": [], "stopped_by": None}
+        state = {"config": config_record(config), "source": str(source_dir), "history": [], "stopped_by": None}
         base = evaluate(drafter, prompts, config.score, trajectories, target)
         draft_ms, packed_ms = pass_times_ms(drafter, config.score)
         verify_ms = ar_ms = None
@@ -111,8 +116,8 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
         state["timing"] = {"layers": drafter.config.num_hidden_layers, "draft_ms": draft_ms, "packed_ms": packed_ms,
                            "verify_ms": verify_ms, "ar_ms": ar_ms}
         state["base"] = {"tau": base.tau, "fallback_rate": base.fallback_rate,
-                         "predicted_speedup": _predicted_speedup(base, drafter.config.num_hidden_layers,
-                                                                 state["timing"])}
+                         "predicted_speedup": predicted_speedup_at(base, drafter.config.num_hidden_layers,
+                                                                   state["timing"])}
         _save_state(out, state)
         current = drafter
     base_tau = state["base"]["tau"]
@@ -150,7 +155,7 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
         else:
             measured = before
         retention = measured.tau / base_tau
-        speedup = _predicted_speedup(measured, healed.config.num_hidden_layers, state["timing"])
+        speedup = predicted_speedup_at(measured, healed.config.num_hidden_layers, state["timing"])
         if retention < config.min_retention:
             state["stopped_by"] = (f"retention floor: removing original layers "
                                    f"{[scores.layers[i].original_layer for i in chosen]} would keep "
@@ -185,13 +190,18 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
         log(f"step {step}: removed original layers {record['removed_original']}, tau {measured.tau:.3f} "
             f"(retention {retention:.4f})")
         _save_state(out, state)
+        if on_step is not None:
+            reason = on_step(record, state)
+            if reason:
+                state["stopped_by"] = str(reason)
     _save_state(out, state)
     _link_final(out, state)
     write_report(out, state)
     return state
 
 
-def _config_record(config: RunConfig) -> dict:
+def config_record(config: RunConfig) -> dict:
+    """The settings of a campaign as plain JSON values (as stored in state.json)."""
     return json.loads(json.dumps(asdict(config), default=str))
 
 

@@ -8,7 +8,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows each flag's default and keeps the examples' line breaks."""
+    """Shows each flag's default (unless it is None or the help already states it) and keeps the examples' line breaks."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def add_command(subparsers, name: str, help: str, description: str):
@@ -44,6 +49,25 @@ def add_prompt_args(parser, default_suite: str = "humaneval:eval", max_new_token
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens generated per prompt at most")
     parser.add_argument("--no-chat-template", action="store_true",
                         help="feed prompt text as is instead of through the tokenizer's chat template")
+
+
+def add_tracking_args(parser) -> None:
+    parser.add_argument("--no-wandb", action="store_true",
+                        help="do not log to W&B (otherwise offline unless logged in; WANDB_MODE is respected)")
+    parser.add_argument("--wandb-project", default="d3d-prune", help="W&B project (entity: WANDB_ENTITY)")
+
+
+def make_tracker(args, job_type: str, run_config: dict, drafter_hash: str, out=None, group=None, name=None,
+                 extra_tags=()):
+    """The W&B tracker of a command (prune.tracking); its mode comes from --no-wandb and the environment."""
+    import os
+
+    from prune.tracking import default_dir, drafter_tag, resolve_mode, tracker_for
+
+    return tracker_for(resolve_mode(os.environ, enabled=not args.no_wandb), args.wandb_project, run_config,
+                       entity=os.environ.get("WANDB_ENTITY") or None, group=group, job_type=job_type, name=name,
+                       tags=(drafter_tag(drafter_hash), *extra_tags), dir=default_dir(out, os.environ),
+                       init_timeout=float(os.environ.get("WANDB_INIT_TIMEOUT") or 90))
 
 
 def model_paths(args) -> tuple[str, str]:

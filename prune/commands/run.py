@@ -8,7 +8,9 @@ from ._common import (
     add_debug,
     add_model_args,
     add_prompt_args,
+    add_tracking_args,
     load_pair_and_prompts,
+    make_tracker,
     write_json,
 )
 
@@ -52,6 +54,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--heal-lr", type=float, default=5e-4, help="LoRA learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seeds healing and the bootstrap")
     parser.add_argument("--json", metavar="OUT", default=None, help="write the final state as JSON ('-' = stdout)")
+    add_tracking_args(parser)
     add_debug(parser)
     parser.set_defaults(run=run)
 
@@ -59,12 +62,12 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from decode.decoders import DecodeConfig
     from prune.heal import HealConfig
-    from prune.progressive import RunConfig, check_resumable, run_pruning
-    from prune.scoring import ScoreConfig, record_trajectories
+    from prune.progressive import RunConfig, check_resumable, config_record, run_pruning
+    from prune.scoring import ScoreConfig, fingerprint, record_trajectories
 
     if args.resume:
         check_resumable(args.out)
-    pair, tokenized, drafter_dir, _, _ = load_pair_and_prompts(args)
+    pair, tokenized, drafter_dir, target_path, source = load_pair_and_prompts(args)
     prompts = [p.input_ids for p in tokenized]
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens, stop_ids=pair.stop_ids, packed_budget=args.packed_budget)
     config = RunConfig(
@@ -81,9 +84,19 @@ def run(args) -> int:
 
         examples = load_examples(args.heal_data)
     trajectories = record_trajectories(pair.target, prompts, decode) if args.verify == "replay" else None
-    state = run_pruning(pair.drafter, drafter_dir, prompts, args.out, config, target=pair.target,
-                        trajectories=trajectories, heal_examples=examples, resume=args.resume,
-                        log=lambda message: print(message, file=sys.stderr))
+    drafter_hash = fingerprint(pair.drafter)
+    tracker = make_tracker(args, "run", {
+        "settings": config_record(config), "drafter": drafter_dir, "drafter_hash": drafter_hash,
+        "target": target_path, "prompts": source, "prompt_count": len(prompts), "heal_data": args.heal_data,
+        "out": args.out, "resume": args.resume}, drafter_hash, out=args.out)
+    try:
+        state = run_pruning(pair.drafter, drafter_dir, prompts, args.out, config, target=pair.target,
+                            trajectories=trajectories, heal_examples=examples, resume=args.resume,
+                            log=lambda message: print(message, file=sys.stderr), on_step=tracker.on_step)
+    except BaseException:
+        tracker.finish(exit_code=1)
+        raise
+    tracker.finish(state, args.out)
     write_json(state, args.json)
     if args.json != "-":
         print(json.dumps({"stopped_by": state["stopped_by"], "steps": len(state["history"]),

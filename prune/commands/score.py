@@ -6,8 +6,10 @@ from ._common import (
     add_debug,
     add_model_args,
     add_prompt_args,
+    add_tracking_args,
     interactive,
     load_pair_and_prompts,
+    make_tracker,
     stdout_console,
     write_json,
 )
@@ -41,6 +43,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     parser.add_argument("--no-cache", action="store_true", help="recompute even when cached results exist")
     parser.add_argument("--json", metavar="OUT", default=None, help="write the JSON report to OUT ('-' = stdout)")
+    add_tracking_args(parser)
     add_debug(parser)
     parser.set_defaults(run=run)
 
@@ -65,7 +68,8 @@ def run(args) -> int:
         key = fingerprint("trajectories", target_key, ids, decode.max_new_tokens, decode.stop_ids)
         trajectories = cached_json(cache / "trajectories" if cache else None, key,
                                    lambda: record_trajectories(pair.target, ids, decode))
-    key = fingerprint("scores", fingerprint(pair.drafter), target_key, ids, config.criterion, config.verify,
+    drafter_hash = fingerprint(pair.drafter)
+    key = fingerprint("scores", drafter_hash, target_key, ids, config.criterion, config.verify,
                       config.bootstrap, config.seed, decode.max_new_tokens, decode.packed_budget, str(device))
     layers = pair.drafter.config.num_hidden_layers
     with progress_bar("score", layers, enabled=interactive(args.json)) as advance:
@@ -75,6 +79,10 @@ def run(args) -> int:
                                  on_layer=lambda *_: advance()).to_dict(),
         )
     report["settings"].update({"drafter": drafter_dir, "target": target_path, "prompts_source": source})
+    tracker = make_tracker(args, "score", {"settings": report["settings"], "drafter_hash": drafter_hash},
+                           drafter_hash)
+    tracker.log_scores(report)
+    tracker.finish()
     write_json(report, args.json)
     if args.json != "-":
         print_table(report)

@@ -1,0 +1,64 @@
+"""`prune dashboard`: save the W&B workspace with the key pruning and sweep panels to a project."""
+
+import json
+
+from ._common import add_command, add_debug
+
+EXAMPLES = """
+examples:
+  prune dashboard --entity my-team --project d3d-prune
+  prune dashboard --entity my-team --project d3d-prune --print      (show the panels; no W&B login needed)
+"""
+
+
+def add_parser(subparsers) -> None:
+    parser = add_command(
+        subparsers,
+        "dashboard",
+        help="save a W&B workspace with the pruning and sweep panels",
+        description="Create a saved W&B workspace in ENTITY/PROJECT with the key panels: tau, retention and "
+        "predicted speedup vs layers removed, heal losses, the layer-score heatmap and tables, sweep parallel "
+        "coordinates and the Pareto scatter (eval retention vs layers left). It reads the metric names that "
+        "prune run, prune score and prune sweep log. Saving needs a logged-in W&B (`wandb login`)." + EXAMPLES,
+    )
+    parser.add_argument("--entity", required=True, help="W&B entity (user or team)")
+    parser.add_argument("--project", required=True, help="W&B project holding the runs")
+    parser.add_argument("--name", default=None, help="workspace name (default: 'd3d-prune: pruning and sweeps')")
+    parser.add_argument("--print", action="store_true", help="print the panels as JSON instead of saving")
+    add_debug(parser)
+    parser.set_defaults(run=run)
+
+
+def panel_listing(workspace) -> dict:
+    """Sections and their panels (type and title), a readable view of the workspace."""
+    return {"entity": workspace.entity, "project": workspace.project, "name": workspace.name,
+            "sections": [{"name": s.name, "panels": [{"type": type(p).__name__, "title": getattr(p, "title", None)}
+                                                    for p in s.panels]} for s in workspace.sections]}
+
+
+def run(args) -> int:
+    import os
+    import sys
+
+    from models.errors import ConfigError
+    from prune.dashboard import DEFAULT_NAME, build_workspace
+    from prune.tracking import has_credentials, resolve_mode
+
+    workspace = build_workspace(args.entity, args.project, args.name or DEFAULT_NAME)
+    if args.print:
+        print(json.dumps(panel_listing(workspace), indent=2))
+        return 0
+    mode = resolve_mode(os.environ)
+    if mode != "online" or not has_credentials(os.environ):
+        raise ConfigError(f"saving a workspace needs W&B online and logged in (mode {mode}"
+                          f"{'' if has_credentials(os.environ) else ', no API key'}): run `wandb login` or set "
+                          "WANDB_API_KEY, unset WANDB_MODE=offline, then rerun prune dashboard (--print shows the "
+                          "panels offline)")
+    try:
+        saved = workspace.save()
+    except Exception as exc:  # noqa: BLE001 - network, permissions, unknown entity: one line for the user
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"W&B did not save the workspace to {args.entity}/{args.project}: {first}") from None
+    print(saved.url)
+    print(f"saved the workspace to {args.entity}/{args.project}", file=sys.stderr)
+    return 0

@@ -1,0 +1,198 @@
+"""`prune sweep`: an Optuna study over pruning settings; many workers, one storage, a study-wide budget."""
+
+import argparse
+import os
+import sys
+
+from ._common import (
+    add_command,
+    add_debug,
+    add_model_args,
+    add_prompt_args,
+    add_tracking_args,
+    load_pair_and_prompts,
+    make_tracker,
+    prompt_records,
+    stdout_console,
+    write_json,
+)
+
+EXAMPLES = """
+examples:
+  prune sweep --study s1 --n-trials 12 --heal-data data/demo-distill      (the demo pair; SQLite under sweep-s1/)
+  prune sweep --study s1 --summary                                         (best trial and its checkpoint)
+  prune sweep --study s2 --n-trials 40 --directions maximize minimize      (Pareto front: retention vs layers)
+  prune sweep --study s3 --n-trials 100 --storage postgresql://user:pass@db-host/optuna --out /scratch/s3
+        (run the same command on every machine: the workers share the study and its 100-trial budget)
+"""
+
+
+def add_parser(subparsers) -> None:
+    parser = add_command(
+        subparsers,
+        "sweep",
+        help="search pruning settings with Optuna (many workers can share one study)",
+        description="Run Optuna trials, each a full pruning campaign (as `prune run`) with settings drawn from a "
+        "search space (--space, TOML; the default ships in sweeps/default_space.toml). Each trial exports to "
+        "OUT/trial-NNNN and is measured on fixed evaluation prompts. Single-objective (one direction): maximize "
+        "predicted speedup subject to eval retention >= --retention-floor; two directions: Pareto front of "
+        "retention vs cost. Workers running the same command against one --storage share the study; "
+        "--n-trials is the study-wide number of trials that end COMPLETE or PRUNED." + EXAMPLES,
+    )
+    parser.add_argument("--study", required=True, help="study name (also the W&B group of its trials)")
+    parser.add_argument("--storage", default=None,
+                        help="Optuna storage: sqlite:///FILE, postgresql://..., mysql+pymysql://..., journal:FILE "
+                        "(default: sqlite under --out)")
+    parser.add_argument("--out", default=None, help="folder for this worker's trials (default: sweep-STUDY)")
+    parser.add_argument("--n-trials", type=int, default=None,
+                        help="study-wide number of COMPLETE/PRUNED trials to reach (all workers together)")
+    parser.add_argument("--timeout", type=float, default=None, help="start no trial after this many seconds")
+    parser.add_argument("--space", default=None, help="search space TOML file (default: the shipped one)")
+    parser.add_argument("--directions", nargs="+", default=["maximize"], choices=("maximize", "minimize"),
+                        help="`maximize`: predicted speedup; `maximize minimize`: retention vs cost (Pareto)")
+    parser.add_argument("--retention-floor", type=float, default=0.95,
+                        help="least eval retention of a feasible trial; also the least --min-retention of a campaign")
+    parser.add_argument("--cost", choices=("layers", "packed_ms"), default="layers",
+                        help="cost objective of the Pareto mode: layers left or predicted packed-pass ms")
+    parser.add_argument("--pruner", choices=("median", "none"), default="median",
+                        help="stop unpromising trials early (single-objective mode only)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the sampler (per trial), healing and bootstrap")
+    parser.add_argument("--heartbeat", type=int, default=30,
+                        help="seconds between a running trial's heartbeats (RDB storages; 0: off)")
+    parser.add_argument("--grace", type=int, default=None,
+                        help="seconds without heartbeat before a trial counts as dead (default: 3 x --heartbeat)")
+    parser.add_argument("--summary", action="store_true", help="print the best trial / Pareto front and exit")
+    parser.add_argument("--json", metavar="OUT", default=None, help="write the summary as JSON ('-' = stdout)")
+    add_model_args(parser)
+    add_prompt_args(parser, default_suite="humaneval:calib", max_new_tokens=32, limit=None)
+    parser.add_argument("--eval-suite", default="humaneval:eval", metavar="NAME[:calib|:eval]",
+                        help="built-in suite measuring every trial's final drafter")
+    parser.add_argument("--eval-prompts", default=None, metavar="FILE.jsonl", help="JSONL evaluation prompts instead")
+    parser.add_argument("--eval-limit", type=int, default=8, help="evaluation prompts used")
+    parser.add_argument("--verify", choices=("replay", "live"), default="replay", help="verification in scoring")
+    parser.add_argument("--packed-budget", type=int, default=64, help="async: candidate tokens per packed pass")
+    parser.add_argument("--heal-data", default=None,
+                        help="distillation data for healing; without it the space's LoRA settings are not searched")
+    add_tracking_args(parser)
+    add_debug(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from sweeps.objective import SweepConfig
+    from sweeps.space import SearchSpace
+    from sweeps.study import make_storage, open_study, run_worker, summarize
+
+    out = args.out or f"sweep-{args.study}"
+    config = SweepConfig(study=args.study, out=out, directions=tuple(args.directions),
+                         retention_floor=args.retention_floor, cost=args.cost, seed=args.seed)
+    config.validate()
+    space = SearchSpace.from_file(args.space)
+    storage = make_storage(args.storage or f"sqlite:///{os.path.abspath(out)}/optuna.db", args.heartbeat, args.grace)
+    if args.summary:
+        import optuna
+
+        try:
+            study = optuna.load_study(study_name=args.study, storage=storage)
+        except KeyError:
+            from models.errors import ConfigError
+
+            raise ConfigError(f"no study {args.study!r} in this storage; check --study and --storage") from None
+        return _report(summarize(study), args.json)
+    if args.n_trials is None and args.timeout is None:
+        from models.errors import ConfigError
+
+        raise ConfigError("give --n-trials (the study-wide total) or --timeout, or --summary to see results")
+    objective = _objective(args, config, space)
+    study = open_study(args.study, storage, config.directions,
+                       {**config.record(), "space": objective.space.record()}, seed=args.seed, pruner=args.pruner)
+    log = lambda message: print(message, file=sys.stderr)  # noqa: E731
+    reason = run_worker(study, storage, objective, args.n_trials, args.timeout, log=log)
+    log(f"worker done: {reason}")
+    return _report(summarize(study), args.json)
+
+
+def _objective(args, config, space):
+    """Load the pair, prompts and trajectories once per worker and build the trial objective."""
+    from dataclasses import replace
+
+    from decode.decoders import DecodeConfig
+    from decode.prompts import check_context, tokenize_records
+    from models._wheels import resolve_cache_dir
+    from prune.scoring import ScoreConfig, cached_json, fingerprint, record_trajectories
+    from sweeps.objective import PruningObjective, SweepData
+
+    if args.limit is None:
+        args.limit = int(space.largest("calibration_prompts", 16))
+    pair, calibration, drafter_dir, _, _ = load_pair_and_prompts(args)
+    evaluation_args = argparse.Namespace(**{**vars(args), "suite": args.eval_suite if not args.eval_prompts else None,
+                                            "prompts": args.eval_prompts, "limit": args.eval_limit})
+    evaluation = tokenize_records(prompt_records(evaluation_args)[0], pair.tokenizer, not args.no_chat_template)
+    check_context(evaluation, args.max_new_tokens, pair.drafter.config.block_size, pair.max_positions)
+    decode = DecodeConfig(max_new_tokens=args.max_new_tokens, stop_ids=pair.stop_ids, packed_budget=args.packed_budget)
+    config.score = ScoreConfig(verify=args.verify, decode=decode, bootstrap=200, seed=args.seed)
+    config.heal = replace(config.heal, seed=args.seed)
+    calibration_ids = [p.input_ids for p in calibration]
+    evaluation_ids = [p.input_ids for p in evaluation]
+    cache = resolve_cache_dir(args.cache_dir)
+    target_key = fingerprint(pair.target, args.dtype)
+
+    def trajectories(ids):
+        if args.verify != "replay":
+            return None
+        key = fingerprint("trajectories", target_key, ids, decode.max_new_tokens, decode.stop_ids)
+        return cached_json(cache / "trajectories", key, lambda: record_trajectories(pair.target, ids, decode))
+
+    examples = None
+    if args.heal_data:
+        from prune.train_drafter import load_examples
+
+        examples = load_examples(args.heal_data)
+    else:
+        print("note: no --heal-data, so trials do not heal and the space's LoRA settings are not searched",
+              file=sys.stderr)
+    drafter_hash = fingerprint(pair.drafter)
+    data = SweepData(pair.drafter, drafter_dir, pair.target, calibration_ids, trajectories(calibration_ids),
+                     evaluation_ids, trajectories(evaluation_ids), examples, drafter_hash)
+
+    def tracker_factory(trial, run_config):
+        name = f"{config.study}-trial-{trial.number:04d}"
+        return make_tracker(args, "trial", run_config, drafter_hash, out=f"{config.out}/trial-{trial.number:04d}",
+                            group=config.study, name=name, extra_tags=(f"study-{config.study}",))
+
+    return PruningObjective(config, space, data, tracker_factory,
+                            log=lambda message: print(message, file=sys.stderr))
+
+
+def _report(summary: dict, destination: str | None) -> int:
+    write_json(summary, destination)
+    if destination != "-":
+        print_summary(summary)
+    return 0
+
+
+def print_summary(summary: dict) -> None:
+    import socket
+
+    from rich.table import Table
+
+    counts = ", ".join(f"{n} {state.lower()}" for state, n in summary["counts"].items()) or "no trials"
+    multi = "pareto_front" in summary
+    rows = summary["pareto_front"] if multi else [summary["best"]] if summary["best"] else []
+    what = "Pareto front (eval retention vs cost)" if multi else (
+        f"best trial (max predicted speedup, eval retention >= {summary['retention_floor']})")
+    table = Table(title=f"study {summary['study']}: {counts}; {what}")
+    for column in ("trial", "eval retention", "eval tau", "pred. speedup", "layers", "removed", "checkpoint"):
+        table.add_column(column, justify="left" if column == "checkpoint" else "right")
+    here = socket.gethostname()
+    for row in rows:
+        where = row["checkpoint"] or "-"
+        if row.get("host") and row["host"] != here:
+            where = f"{row['host']}:{where}"
+        table.add_row(str(row["number"]), _fmt(row["eval_retention"], 4), _fmt(row["eval_tau"], 3),
+                      _fmt(row["predicted_speedup"], 2), str(row["layers"]), str(row["layers_removed"]), where)
+    stdout_console().print(table)
+
+
+def _fmt(value, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"

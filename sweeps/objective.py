@@ -1,0 +1,250 @@
+"""The Optuna objective: one pruning campaign per trial, through `prune.progressive.run_pruning`.
+
+A trial draws settings from the search space, runs the campaign into OUT/trial-NNNN (the number is the
+trial's, unique in the study), then measures the final drafter on the sweep's *evaluation* prompts, a
+fixed set shared by every trial: the calibration size is itself searched, so calibration tau is not a
+fair yardstick between trials.
+
+Modes (DESIGN section 7):
+- single-objective (`directions=("maximize",)`): maximize the predicted speedup of the final drafter on
+  the evaluation prompts, subject to eval retention >= `retention_floor` (an Optuna constraint: samplers
+  and `best_trial` prefer feasible trials). Every campaign also refuses steps below the floor on its
+  calibration prompts (`min_retention` is raised to it).
+- multi-objective (`directions=("maximize", "minimize")`): eval retention vs drafter cost (layers left,
+  or the predicted packed-pass time); `study.best_trials` is the Pareto front.
+
+After each step the trial reports its calibration retention at "layers removed so far" (comparable
+between trials with different per-step k), and the pruner (median by default) may stop it: the campaign
+then ends after that step (OUT/final and the report are written) and the trial is PRUNED. Optuna's
+pruners handle single-objective studies only, so multi-objective trials are never pruned.
+
+Each trial's user attributes hold where its checkpoint is and what it measured (TRIAL_ATTRS).
+"""
+
+import os
+import socket
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from models.errors import CheckpointError, ConfigError
+from prune.heal import HealConfig
+from prune.scoring import ScoreConfig
+
+from .space import HEAL_NAMES, SearchSpace
+
+COSTS = ("layers", "packed_ms")
+TRIAL_ATTRS = ("checkpoint", "host", "worker", "trial_dir", "tau", "retention", "eval_tau", "eval_retention",
+               "predicted_speedup", "layers", "layers_removed", "packed_pass_ms", "cost", "stopped_by")
+
+
+@dataclass
+class SweepConfig:
+    """Settings of a sweep.
+
+    Attributes:
+        study: the Optuna study name (also the W&B group of its trials).
+        out: the folder that receives OUT/trial-NNNN of each trial run by this worker.
+        directions: ("maximize",): predicted speedup; ("maximize", "minimize"): retention vs cost.
+        retention_floor: least eval retention of a feasible trial; also the least `min_retention`.
+        cost: the cost objective of the multi-objective mode: "layers" or "packed_ms".
+        seed: seeds the samplers (per trial number, so workers never repeat each other's draws).
+        score, heal: campaign settings that the search space does not set (decoding, verify, batch...).
+    """
+
+    study: str
+    out: str
+    directions: tuple[str, ...] = ("maximize",)
+    retention_floor: float = 0.95
+    cost: str = "layers"
+    seed: int = 0
+    score: ScoreConfig = field(default_factory=ScoreConfig)
+    heal: HealConfig = field(default_factory=HealConfig)
+
+    @property
+    def multi_objective(self) -> bool:
+        return len(self.directions) == 2
+
+    def objective_names(self) -> list[str]:
+        return ["eval_retention", self.cost] if self.multi_objective else ["predicted_speedup"]
+
+    def validate(self) -> None:
+        directions = tuple(self.directions)
+        if directions not in (("maximize",), ("maximize", "minimize")):
+            raise ConfigError(
+                f"--directions {' '.join(directions)} is not a mode of prune sweep: use `maximize` (predicted "
+                "speedup under a retention floor) or `maximize minimize` (retention vs drafter cost, Pareto front)"
+            )
+        if not 0 < self.retention_floor <= 1:
+            raise ConfigError(f"--retention-floor {self.retention_floor} must be in (0, 1]")
+        if self.cost not in COSTS:
+            raise ConfigError(f"unknown cost {self.cost!r}; choose {' or '.join(COSTS)} (--cost)")
+        if not self.study or any(c in self.study for c in "/\\"):
+            raise ConfigError(f"study name {self.study!r} must be non-empty without slashes (--study)")
+
+    def record(self) -> dict:
+        return {"directions": list(self.directions), "objectives": self.objective_names(),
+                "retention_floor": self.retention_floor, "cost": self.cost}
+
+
+@dataclass
+class SweepData:
+    """What every trial of one worker shares, loaded once: the pair, prompts and trajectories, heal data.
+
+    `calibration` holds at least as many prompts as the space's largest calibration size; a trial uses
+    the first `calibration_prompts` of them. `evaluation` prompts measure every trial's final drafter.
+    """
+
+    drafter: object
+    drafter_dir: str
+    target: object
+    calibration: list[list[int]]
+    calibration_trajectories: list | None
+    evaluation: list[list[int]]
+    evaluation_trajectories: list | None
+    heal_examples: list | None = None
+    drafter_hash: str = ""
+
+
+def campaign_config(values: dict, config: SweepConfig):
+    """The RunConfig of one trial from its drawn values, and its calibration size (None: all prompts)."""
+    from prune.progressive import RunConfig
+
+    score = replace(config.score, criterion=values.get("criterion", config.score.criterion),
+                    decode=replace(config.score.decode,
+                                   packed_budget=values.get("packed_budget", config.score.decode.packed_budget)),
+                    seed=config.seed)
+    heal = replace(config.heal, steps=values.get("heal_steps", config.heal.steps),
+                   rank=values.get("lora_rank", config.heal.rank), alpha=values.get("lora_alpha", config.heal.alpha),
+                   lr=values.get("heal_lr", config.heal.lr), seed=config.seed)
+    run = RunConfig(layers_to_remove=values.get("layers_to_remove"),
+                    min_retention=max(values.get("min_retention", config.retention_floor), config.retention_floor),
+                    per_step=values.get("per_step", 1), stop_on_speedup=values.get("stop_on_speedup", True),
+                    score=score, heal=heal)
+    return run, values.get("calibration_prompts")
+
+
+def check_space(space: SearchSpace, data: SweepData) -> SearchSpace:
+    """Refuse a space that cannot run on this pair and these prompts; drop healing without heal data."""
+    layers = data.drafter.config.num_hidden_layers
+    if space.largest("layers_to_remove", 1) > layers - 1:
+        raise ConfigError(f"search space {space.source}: layers_to_remove reaches "
+                          f"{space.largest('layers_to_remove', 1)} but the drafter has {layers} layers")
+    wanted = space.largest("calibration_prompts", len(data.calibration))
+    if wanted > len(data.calibration):
+        raise ConfigError(f"search space {space.source}: calibration_prompts reaches {wanted} but only "
+                          f"{len(data.calibration)} calibration prompts are loaded; raise --limit or lower it")
+    if not data.heal_examples:
+        space = space.without(HEAL_NAMES)
+    return space
+
+
+class PruningObjective:
+    """Callable(trial) -> objective value(s); see the module docstring.
+
+    `tracker_factory(trial, run_config_record)` returns a prune.tracking.Tracker (or None) per trial.
+    """
+
+    def __init__(self, config: SweepConfig, space: SearchSpace, data: SweepData, tracker_factory=None,
+                 log=print):
+        self.config, self.data, self.log = config, data, log
+        self.space = check_space(space, data)
+        self.tracker_factory = tracker_factory
+        self._base_eval = None
+
+    def base_evaluation(self):
+        """The unpruned drafter on the evaluation prompts (measured once per worker)."""
+        from prune.scoring import evaluate
+
+        if self._base_eval is None:
+            self._base_eval = evaluate(self.data.drafter, self.data.evaluation, self.config.score,
+                                       self.data.evaluation_trajectories, self.data.target)
+        return self._base_eval
+
+    def __call__(self, trial):
+        import optuna
+
+        from prune.progressive import config_record, run_pruning
+
+        values = self.space.suggest(trial)
+        run_config, calibration = campaign_config(values, self.config)
+        out = Path(self.config.out) / f"trial-{trial.number:04d}"
+        if out.exists() and any(out.iterdir()):
+            raise CheckpointError(f"{out} already holds files (from another study?); use another --out for "
+                                  f"study {self.config.study!r}")
+        prompts = self.data.calibration[:calibration]
+        trajectories = self.data.calibration_trajectories
+        trajectories = trajectories[:calibration] if trajectories is not None else None
+        trial.set_user_attr("trial_dir", str(out.resolve()))
+        trial.set_user_attr("host", socket.gethostname())
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+        tracker = None
+        if self.tracker_factory is not None:
+            tracker = self.tracker_factory(trial, {
+                "trial": {"study": self.config.study, "number": trial.number, "params": dict(trial.params)},
+                "values": values, "settings": config_record(run_config), "sweep": self.config.record(),
+                "drafter": self.data.drafter_dir, "drafter_hash": self.data.drafter_hash, "out": str(out)})
+        pruned = []
+
+        def on_step(record, state):
+            if tracker is not None:
+                tracker.on_step(record, state)
+            if self.config.multi_objective:
+                return None
+            removed = state["timing"]["layers"] - record["layers"]
+            trial.report(record["retention"], removed)
+            if trial.should_prune():
+                pruned.append(removed)
+                return (f"pruned by the Optuna pruner after {removed} layers removed "
+                        f"(calibration retention {record['retention']:.4f})")
+            return None
+
+        try:
+            state = run_pruning(self.data.drafter, self.data.drafter_dir, prompts, out, run_config,
+                                target=self.data.target, trajectories=trajectories,
+                                heal_examples=self.data.heal_examples if run_config.heal.steps else None,
+                                log=lambda message: self.log(f"trial {trial.number}: {message}"), on_step=on_step)
+            metrics = self.measure(state, out)
+        except BaseException:
+            if tracker is not None:
+                tracker.finish(exit_code=1)
+            raise
+        for name, value in metrics.items():
+            trial.set_user_attr(name, value)
+        if not self.config.multi_objective:
+            trial.set_constraint("retention_floor", self.config.retention_floor - metrics["eval_retention"])
+        values_out = [metrics[name] for name in self.config.objective_names()]
+        if tracker is not None:
+            summary = {f"sweep/{k}": metrics[k] for k in ("eval_tau", "eval_retention", "cost")}
+            summary["sweep/eval_predicted_speedup"] = metrics["predicted_speedup"]
+            summary["sweep/state"] = "PRUNED" if pruned else "COMPLETE"
+            tracker.finish(state, out, summary=summary, artifact_aliases=[f"trial-{trial.number:04d}"])
+        if pruned:
+            raise optuna.TrialPruned(state["stopped_by"])
+        return values_out[0] if len(values_out) == 1 else tuple(values_out)
+
+    def measure(self, state: dict, out: Path) -> dict:
+        """What a finished campaign achieved, on its calibration prompts and on the evaluation prompts."""
+        from models.drafter import load_drafter
+        from prune.progressive import predicted_speedup_at
+        from prune.scoring import evaluate
+
+        timing, base = state["timing"], self.base_evaluation()
+        last = state["history"][-1] if state["history"] else None
+        if last is None:
+            final, checkpoint, layers = base, self.data.drafter_dir, timing["layers"]
+        else:
+            drafter = load_drafter(out / last["folder"])
+            final = evaluate(drafter, self.data.evaluation, self.config.score, self.data.evaluation_trajectories,
+                             self.data.target)
+            checkpoint, layers = str(out.resolve() / "final"), last["layers"]
+            del drafter
+        speedup = predicted_speedup_at(final, layers, timing)
+        packed_ms = timing["packed_ms"] * layers / timing["layers"]
+        return {
+            "checkpoint": str(checkpoint), "tau": last["tau"] if last else state["base"]["tau"],
+            "retention": last["retention"] if last else 1.0, "eval_tau": final.tau,
+            "eval_retention": final.tau / base.tau if base.tau else 0.0,
+            "predicted_speedup": speedup if speedup is not None else 0.0, "layers": layers,
+            "layers_removed": timing["layers"] - layers, "packed_pass_ms": packed_ms,
+            "cost": layers if self.config.cost == "layers" else packed_ms, "stopped_by": str(state["stopped_by"]),
+        }

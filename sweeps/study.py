@@ -1,0 +1,299 @@
+"""Studies shared by many workers: storage URLs, samplers, the study-wide trial budget, summaries.
+
+Storage: any Optuna storage URL. `sqlite:///path.db` (the default, a file under OUT) for workers on one
+machine; `postgresql://...` or `mysql+pymysql://...` for workers on many; `journal:PATH` (or a path
+ending in .log/.journal) for a journal file on a shared file system. RDB storages get heartbeats: a
+worker's running trial records a heartbeat every `heartbeat` seconds; a trial silent for `grace` seconds
+(its worker was killed or lost) is marked FAIL by the next worker that looks, and re-queued once more
+with the same parameters (Optuna's RetryHeartbeatStaleTrialCallback). Journal storages have no
+heartbeats: a killed worker's trial stays RUNNING (see README).
+
+The budget (`n_trials`) is study-wide: however many workers run, exactly `n_trials` trials end COMPLETE
+or PRUNED. Trial numbers are the storage's atomic counter, so each worker:
+  1. counts the study's trials; stops when n_trials are COMPLETE/PRUNED; if the rest of the budget is
+     held by RUNNING trials (and none is WAITING), waits for them (with heartbeats: a dead one turns into
+     a WAITING retry that this worker then runs) instead of starting more;
+  2. asks for a trial (a queued WAITING retry first), then counts the trials *numbered below it* that are
+     COMPLETE, PRUNED, RUNNING or WAITING. If they already fill the budget, another worker won the race
+     for the last slot: the trial is told FAIL with user attribute `over_budget` and never evaluated;
+  3. otherwise evaluates it. A trial that fails (an error, Ctrl-C, a dead worker) frees its slot.
+Trials below a given number never become more numerous, so two workers cannot both take the last slot,
+and a slot is only given up when a trial fails, which the loop then refills.
+"""
+
+import contextlib
+import gc
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from models.errors import ConfigError
+
+OVER_BUDGET = "over_budget"
+META_KEY = "d3d_prune"  # study user attribute: the mode and search space the study was created with
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence Optuna's experimental-feature warnings for the features used on purpose here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        # We run trials with our own loop (for the budget) and record heartbeats ourselves (_Heartbeat).
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+        yield
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        return urlunsplit(parts._replace(netloc=netloc))
+    return url
+
+
+def make_storage(url: str, heartbeat: int | None = 30, grace: int | None = None, max_retry: int = 1,
+                 attempts: int = 5):
+    """An Optuna storage for `url` (see the module docstring); `heartbeat` None or 0 disables heartbeats."""
+    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+    from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock, JournalStorage
+
+    if url.startswith("journal:") or ("://" not in url and url.endswith((".log", ".journal"))):
+        path = Path(url.removeprefix("journal:")).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # The open(O_EXCL) lock works on NFS and other shared file systems.
+        return JournalStorage(JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path))))
+    if "://" not in url:
+        if not url.endswith((".db", ".sqlite", ".sqlite3")):
+            raise ConfigError(f"--storage {url!r} is neither a URL nor a .db / .log file; e.g. sqlite:///study.db, "
+                              "postgresql://user:pass@host/db or journal:study.log")
+        url = f"sqlite:///{Path(url).expanduser().resolve()}"
+    if url.startswith("postgres://"):
+        url = "postgresql://" + url.removeprefix("postgres://")
+    engine_kwargs = {"pool_pre_ping": True}
+    if url.startswith("sqlite:///"):
+        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        engine_kwargs = {"connect_args": {"timeout": 60}}  # wait for other workers' writes
+    heartbeat = heartbeat or None
+    for attempt in range(attempts):
+        try:
+            with _quiet():
+                return RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat,
+                                  grace_period=(grace or 3 * heartbeat) if heartbeat else None,
+                                  heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
+                                  if heartbeat else None)
+        except ImportError as exc:
+            raise ConfigError(f"the storage {redact(url)} needs a database driver ({exc}); for PostgreSQL pip "
+                              "install 'psycopg[binary]', for MySQL use mysql+pymysql:// and pip install PyMySQL"
+                              ) from None
+        except Exception as exc:  # noqa: BLE001 - sqlalchemy's errors: unreachable server, bad URL, ...
+            # Workers that start together on a fresh database race to create its tables; the losers retry.
+            text = f"{type(exc).__name__} {exc}"[:400]
+            if attempt + 1 < attempts and any(m in text for m in ("IntegrityError", "already exists", "duplicate key")):
+                time.sleep(0.5 * (attempt + 1))
+                continue
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"cannot open the storage {redact(url)}: {first}") from None
+
+
+class TrialSeededSampler(optuna.samplers.BaseSampler):
+    """A TPE sampler made afresh for each trial, seeded with (seed, trial number).
+
+    Workers that share a seed would otherwise draw the same parameters in the same order; trial numbers
+    are unique in a study, so seeding by them gives distinct draws and keeps a one-worker sweep
+    reproducible. TPE needs no state besides its random generator (it reads the history from the
+    storage), and handles single- and multi-objective studies and their constraints.
+    """
+
+    def __init__(self, seed: int = 0, n_startup_trials: int = 5):
+        self.seed, self.n_startup_trials = seed, n_startup_trials
+        self._inner = self._make(0)
+
+    def _make(self, number: int):
+        return optuna.samplers.TPESampler(seed=(self.seed * 1_000_003 + number) % 2**32,
+                                          n_startup_trials=self.n_startup_trials)
+
+    def before_trial(self, study, trial):
+        self._inner = self._make(trial.number)
+        self._inner.before_trial(study, trial)
+
+    def infer_relative_search_space(self, study, trial):
+        return self._inner.infer_relative_search_space(study, trial)
+
+    def sample_relative(self, study, trial, search_space):
+        return self._inner.sample_relative(study, trial, search_space)
+
+    def sample_independent(self, study, trial, name, distribution):
+        return self._inner.sample_independent(study, trial, name, distribution)
+
+    def after_trial(self, study, trial, state, values):
+        self._inner.after_trial(study, trial, state, values)
+
+    def reseed_rng(self):
+        self._inner.reseed_rng()
+
+
+def open_study(name: str, storage, directions, meta: dict, seed: int = 0, pruner: str = "median"):
+    """Create the study or join it; refuse to join one made with other directions or another space."""
+    if pruner not in ("median", "none"):
+        raise ConfigError(f"unknown pruner {pruner!r}; choose median or none (--pruner)")
+    multi = len(directions) > 1
+    chosen = (optuna.pruners.NopPruner() if pruner == "none" or multi
+              else optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=0))
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    with _quiet():
+        study = optuna.create_study(study_name=name, storage=storage, directions=list(directions),
+                                    sampler=TrialSeededSampler(seed), pruner=chosen, load_if_exists=True)
+    wanted = [optuna.study.StudyDirection.MAXIMIZE if d == "maximize" else optuna.study.StudyDirection.MINIMIZE
+              for d in directions]
+    if list(study.directions) != wanted:
+        have = " ".join(d.name.lower() for d in study.directions)
+        raise ConfigError(f"study {name!r} exists with --directions {have}; use those or another --study")
+    stored = study.user_attrs.get(META_KEY)
+    if stored is None:
+        study.set_user_attr(META_KEY, meta)
+        with _quiet():
+            study.set_metric_names(list(meta["objectives"]))
+    elif stored != meta:
+        changed = sorted(k for k in set(stored) | set(meta) if stored.get(k) != meta.get(k))
+        raise ConfigError(f"study {name!r} was created with other sweep settings ({', '.join(changed)}); rerun "
+                          "with the same --space, --directions, --retention-floor and --cost, or use another --study")
+    return study
+
+
+def state_counts(study) -> dict[str, int]:
+    counts = {state.name: 0 for state in TrialState}
+    for trial in study.get_trials(deepcopy=False):
+        counts[trial.state.name] += 1
+    counts["OVER_BUDGET"] = sum(1 for t in study.get_trials(deepcopy=False) if t.user_attrs.get(OVER_BUDGET))
+    return counts
+
+
+def _ahead(study, number: int) -> int:
+    """Trials numbered below `number` that hold a slot of the budget."""
+    holding = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
+    return sum(1 for t in study.get_trials(deepcopy=False, states=holding)
+               if t.number < number and not t.user_attrs.get(OVER_BUDGET))
+
+
+class _Heartbeat:
+    """Records a running trial's heartbeat every interval (RDB storages with heartbeats only)."""
+
+    def __init__(self, storage, trial_id: int):
+        interval = getattr(storage, "get_heartbeat_interval", lambda: None)()
+        self.storage, self.trial_id, self.interval = storage, trial_id, interval
+        self.stop = threading.Event()
+        self.thread = None
+
+    def __enter__(self):
+        if self.interval:
+            self.storage.record_heartbeat(self.trial_id)
+            self.thread = threading.Thread(target=self._beat, daemon=True)
+            self.thread.start()
+        return self
+
+    def _beat(self):
+        while not self.stop.wait(self.interval):
+            try:
+                self.storage.record_heartbeat(self.trial_id)
+            except Exception:  # noqa: BLE001 - a missed beat is retried; a long outage fails the trial
+                pass
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join()
+
+
+def run_worker(study, storage, objective, n_trials: int | None, timeout: float | None = None, poll: float = 2.0,
+               log=print) -> str:
+    """Evaluate trials of `study` until it holds `n_trials` COMPLETE/PRUNED trials (or `timeout` seconds
+    pass); returns why it stopped. An error in the objective marks its trial FAIL and is raised."""
+    if n_trials is not None and n_trials < 1:
+        raise ConfigError(f"--n-trials {n_trials} must be at least 1")
+    budget = n_trials if n_trials is not None else float("inf")  # None: until the timeout
+    heartbeats = bool(getattr(storage, "get_heartbeat_interval", lambda: None)())
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while deadline is None or time.monotonic() < deadline:
+        with _quiet():
+            optuna.storages.fail_stale_trials(study)  # a dead worker's trial -> FAIL -> a WAITING retry
+        counts = state_counts(study)
+        done = counts["COMPLETE"] + counts["PRUNED"]
+        if done >= budget:
+            return f"the study holds {done} finished trials (budget {n_trials})"
+        if counts["WAITING"] == 0 and done + counts["RUNNING"] >= budget:
+            if not heartbeats:
+                return (f"the rest of the budget is held by {counts['RUNNING']} running trial(s); this storage "
+                        "has no heartbeats, so this worker does not wait for them")
+            time.sleep(poll)
+            continue
+        with _quiet():
+            trial = study.ask()
+        if _ahead(study, trial.number) >= budget:
+            trial.set_user_attr(OVER_BUDGET, True)
+            study.tell(trial, state=TrialState.FAIL)
+            log(f"trial {trial.number}: the budget of {n_trials} trials was taken by other workers; not run")
+            continue
+        _evaluate(study, storage, trial, objective, log)
+        gc.collect()
+    return f"--timeout reached ({timeout} s)"
+
+
+def _evaluate(study, storage, trial, objective, log) -> None:
+    try:
+        # Trial has no public id; the storage's heartbeat API takes the internal one.
+        with _Heartbeat(storage, trial._trial_id):
+            values = objective(trial)
+    except optuna.TrialPruned as pruned:
+        _tell(study, trial, log, state=TrialState.PRUNED)
+        log(f"trial {trial.number}: pruned ({pruned})")
+        return
+    except BaseException:
+        _tell(study, trial, log, state=TrialState.FAIL)
+        raise
+    _tell(study, trial, log, values=values)
+    log(f"trial {trial.number}: finished with {values}")
+
+
+def _tell(study, trial, log, **kwargs) -> None:
+    try:
+        study.tell(trial, **kwargs)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        # Another worker saw no heartbeat for longer than the grace period and failed (and re-queued) it.
+        log(f"trial {trial.number}: was marked failed by another worker (missed heartbeats); its retry counts instead")
+
+
+def trial_record(trial) -> dict:
+    """A trial as JSON: number, state, objective values, parameters and what the objective recorded."""
+    from .objective import TRIAL_ATTRS
+
+    return {"number": trial.number, "state": trial.state.name, "values": trial.values, "params": trial.params,
+            **{name: trial.user_attrs.get(name) for name in TRIAL_ATTRS},
+            "retry_of": trial.system_attrs.get("failed_trial")}
+
+
+def summarize(study) -> dict:
+    """The study's trial counts and its best trial (single objective) or Pareto front (multi-objective).
+
+    The best trial is the feasible one (eval retention at or above the floor) with the highest predicted
+    speedup; the Pareto front holds the COMPLETE trials that no other trial dominates, by cost.
+    """
+    meta = study.user_attrs.get(META_KEY, {})
+    summary = {"study": study.study_name, "directions": [d.name.lower() for d in study.directions],
+               "objectives": meta.get("objectives"), "retention_floor": meta.get("retention_floor"),
+               "counts": {k: v for k, v in state_counts(study).items() if v}}
+    if len(study.directions) > 1:
+        front = sorted(study.best_trials, key=lambda t: (t.values[1], -t.values[0], t.number))
+        summary["pareto_front"] = [trial_record(t) for t in front]
+    else:
+        try:
+            summary["best"] = trial_record(study.best_trial)
+        except ValueError:  # no COMPLETE (feasible) trial yet
+            summary["best"] = None
+    return summary

@@ -1,0 +1,314 @@
+"""Sweeps: a study-wide budget across workers, dead workers' trials retried, pruning, the Pareto front,
+storages (SQLite, journal file, PostgreSQL), search-space files and the `prune sweep` CLI."""
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+import uuid
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from _pairs import prompt_ids, tiny_target, trained_drafter
+from conftest import build_tiny_drafter
+from decode.decoders import DecodeConfig
+from models.drafter import save_drafter
+from models.errors import ConfigError
+from models.objective import Example
+from prune.cli import main
+from prune.heal import HealConfig
+from prune.scoring import ScoreConfig, record_trajectories
+from sweeps.objective import PruningObjective, SweepConfig, SweepData
+from sweeps.space import DEFAULT_SPACE, SearchSpace
+from sweeps.study import OVER_BUDGET, make_storage, open_study, run_worker, summarize
+
+SPACE = """
+[params.layers_to_remove]
+type = "int"
+low = 1
+high = 2
+
+[params.heal_lr]
+type = "float"
+low = 1e-4
+high = 1e-2
+log = true
+
+[params.calibration_prompts]
+type = "int"
+low = 2
+high = 3
+
+[fixed]
+min_retention = 0.05
+stop_on_speedup = false
+heal_steps = 1
+lora_rank = 2
+lora_alpha = 4
+"""
+FORK = multiprocessing.get_context("fork")  # children inherit the trained pair: no re-import, no re-training
+_DATA = {}  # filled by the `sweep_data` fixture before any worker is forked
+
+
+@pytest.fixture(scope="module")
+def sweep_data(tmp_path_factory):
+    target, drafter = trained_drafter(num_layers=3)
+    root = tmp_path_factory.mktemp("sweep")
+    save_drafter(drafter, root / "source")
+    calibration = [prompt_ids(n, seed=n) for n in (3, 7, 12)]
+    evaluation = [prompt_ids(n, seed=100 + n) for n in (4, 9)]
+    decode = DecodeConfig(max_new_tokens=24, packed_budget=27)
+    calibration_trajectories = record_trajectories(target, calibration, decode)
+    examples = [Example.from_prompt_response(t[: len(p)], t[len(p):])
+                for p, t in zip(calibration, calibration_trajectories)]
+    data = SweepData(drafter, str(root / "source"), target, calibration, calibration_trajectories, evaluation,
+                     record_trajectories(target, evaluation, decode), examples, "0" * 64)
+    _DATA.update(data=data, decode=decode)
+    return data
+
+
+def sweep_config(out, **overrides) -> SweepConfig:
+    settings = dict(study="s", out=str(out), retention_floor=0.05,
+                    score=ScoreConfig(decode=_DATA["decode"], timing_repeats=1, bootstrap=20),
+                    heal=HealConfig(batch_size=2))
+    settings.update(overrides)
+    return SweepConfig(**settings)
+
+
+def objective_for(out, space=SPACE, **overrides) -> PruningObjective:
+    return PruningObjective(sweep_config(out, **overrides), SearchSpace.from_text(space), _DATA["data"],
+                            log=lambda *_: None)
+
+
+def study_for(url, objective, study="s", heartbeat=None, grace=None, pruner="median"):
+    storage = make_storage(url, heartbeat, grace)
+    config = objective.config
+    meta = {**config.record(), "space": objective.space.record()}
+    return open_study(study, storage, config.directions, meta, seed=0, pruner=pruner), storage
+
+
+def _worker(url, n_trials, out, barrier=None, heartbeat=None, grace=None, study="s", slow=False):
+    """One sweep worker process (forked). A `slow` one draws its parameters, then hangs (to be killed)."""
+    real = objective_for(out, study=study)
+    study_obj, storage = study_for(url, real, study, heartbeat, grace)
+    def hang(trial):
+        real.space.suggest(trial)
+        time.sleep(600)
+
+    objective = hang if slow else real
+    if barrier is not None:
+        barrier.wait(timeout=60)
+    run_worker(study_obj, storage, objective, n_trials, poll=0.2, log=lambda *_: None)
+
+
+def run_two_workers(url, n_trials, tmp_path, study="s", heartbeat=None, grace=None):
+    barrier = FORK.Barrier(2)
+    workers = [FORK.Process(target=_worker, args=(url, n_trials, str(tmp_path / f"w{i}"), barrier, heartbeat, grace,
+                                                  study)) for i in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=300)
+        assert w.exitcode == 0, f"worker exit code {w.exitcode}"
+    return optuna.load_study(study_name=study, storage=make_storage(url, heartbeat, grace))
+
+
+def check_exact_budget(study, n_trials):
+    trials = study.get_trials(deepcopy=False)
+    finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(finished) == n_trials
+    assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) or t.user_attrs.get(OVER_BUDGET) for t in trials)
+    assert len({t.number for t in trials}) == len(trials)
+    assert len({json.dumps(t.params, sort_keys=True) for t in finished}) == n_trials  # no trial ran twice
+    for t in finished:  # every trial's checkpoint is findable from the study
+        assert os.path.isdir(t.user_attrs["checkpoint"]) and t.user_attrs["eval_retention"] > 0
+    assert len({t.user_attrs["worker"] for t in finished}) == 2  # both workers took part
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+def test_two_workers_complete_exactly_the_budget(sweep_data, tmp_path, kind):
+    url = f"sqlite:///{tmp_path}/study.db" if kind == "sqlite" else f"journal:{tmp_path}/study.log"
+    study = run_two_workers(url, 4, tmp_path, heartbeat=1 if kind == "sqlite" else None)
+    check_exact_budget(study, 4)
+    # A worker started after the budget is used runs nothing.
+    late, storage = study_for(url, objective_for(tmp_path / "late"))
+    assert "budget 4" in run_worker(late, storage, objective_for(tmp_path / "late"), 4, log=lambda *_: None)
+    assert len(late.get_trials()) == len(study.get_trials()) and not (tmp_path / "late").exists()
+
+
+def test_postgresql_two_workers(sweep_data, tmp_path):
+    url = os.environ.get("D3D_TEST_POSTGRES_URL")
+    if not url:
+        pytest.skip("D3D_TEST_POSTGRES_URL is not set (.ci/run starts a PostgreSQL server and sets it)")
+    try:
+        import sqlalchemy
+
+        with sqlalchemy.create_engine(url, connect_args={"connect_timeout": 5}).connect() as connection:
+            connection.execute(sqlalchemy.text("SELECT 1"))
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"the PostgreSQL server at D3D_TEST_POSTGRES_URL is unreachable: {str(exc).splitlines()[0]}")
+    study = run_two_workers(url, 3, tmp_path, study=f"pg-{uuid.uuid4().hex[:8]}", heartbeat=1)
+    check_exact_budget(study, 3)
+
+
+def test_a_killed_workers_trial_is_failed_and_retried(sweep_data, tmp_path):
+    url = f"sqlite:///{tmp_path}/study.db"
+    doomed = FORK.Process(target=_worker, args=(url, 2, str(tmp_path / "doomed"), None, 1, 2, "s", True))
+    doomed.start()
+    storage = make_storage(url, 1, 2)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            running = optuna.load_study(study_name="s", storage=storage).get_trials(states=(TrialState.RUNNING,))
+        except KeyError:  # the study is not created yet
+            running = []
+        if running and running[0].params:
+            break
+        time.sleep(0.1)
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.join()
+    victim = running[0]
+
+    objective = objective_for(tmp_path / "later")
+    study, storage = study_for(url, objective, heartbeat=1, grace=2)
+    run_worker(study, storage, objective, 2, poll=0.2, log=lambda *_: None)
+    trials = {t.number: t for t in study.get_trials()}
+    assert trials[victim.number].state == TrialState.FAIL and not trials[victim.number].user_attrs.get(OVER_BUDGET)
+    retries = [t for t in trials.values() if t.system_attrs.get("failed_trial") == victim.number]
+    assert len(retries) == 1 and retries[0].params == victim.params
+    assert retries[0].state in (TrialState.COMPLETE, TrialState.PRUNED)
+    assert sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials.values()) == 2
+
+
+def test_a_pruned_trial_stops_after_its_first_step(sweep_data, tmp_path):
+    space = "[params.heal_lr]\ntype = 'float'\nlow = 1e-4\nhigh = 1e-2\n[fixed]\nlayers_to_remove = 2\nper_step = 1\n" \
+            "min_retention = 0.05\nstop_on_speedup = false\nheal_steps = 0\ncalibration_prompts = 3\n"
+    objective = objective_for(tmp_path / "out", space=space)
+    storage = make_storage(f"sqlite:///{tmp_path}/study.db", None)
+    # Every reported retention (<= 1 here) is below 2: the pruner stops the trial at its first report.
+    study = optuna.create_study(study_name="s", storage=storage, pruner=optuna.pruners.ThresholdPruner(lower=2.0),
+                                direction="maximize")
+    run_worker(study, storage, objective, 1, log=lambda *_: None)
+    trial = study.trials[0]
+    assert trial.state == TrialState.PRUNED and list(trial.intermediate_values) == [1]
+    folder = tmp_path / "out" / "trial-0000"
+    state = json.loads((folder / "state.json").read_text())
+    assert len(state["history"]) == 1 and state["stopped_by"].startswith("pruned by the Optuna pruner")
+    assert (folder / "step-01").is_dir() and not (folder / "step-02").exists()
+    assert (folder / "final").resolve() == (folder / "step-01").resolve()
+    assert trial.user_attrs["checkpoint"] == str(folder.resolve() / "final") and trial.user_attrs["layers"] == 2
+
+
+def dominates(a, b) -> bool:
+    """a dominates b under (maximize retention, minimize cost)."""
+    return a[0] >= b[0] and a[1] <= b[1] and (a[0] > b[0] or a[1] < b[1])
+
+
+def test_pareto_front_holds_only_non_dominated_trials(sweep_data, tmp_path):
+    objective = objective_for(tmp_path / "out", directions=("maximize", "minimize"))
+    study, storage = study_for(f"sqlite:///{tmp_path}/study.db", objective)
+    run_worker(study, storage, objective, 2, log=lambda *_: None)
+    import random
+
+    rng = random.Random(0)
+    for _ in range(25):  # more points, with ties, for a thorough dominance check
+        study.add_trial(optuna.trial.create_trial(values=[rng.choice([0.5, 0.7, 0.9, 1.0]), rng.randint(1, 3)],
+                                                  user_attrs={"checkpoint": "synthetic"}))
+    complete = [t for t in study.get_trials() if t.state == TrialState.COMPLETE]
+    expected = {t.number for t in complete if not any(dominates(o.values, t.values) for o in complete)}
+    front = summarize(study)["pareto_front"]
+    assert {row["number"] for row in front} == expected and expected
+    real = [t for t in complete if t.user_attrs["checkpoint"] != "synthetic"]
+    assert all(t.values == [t.user_attrs["eval_retention"], t.user_attrs["layers"]] for t in real)
+
+
+def test_search_space_files():
+    default = SearchSpace.from_file()
+    assert DEFAULT_SPACE.is_file() and {"layers_to_remove", "criterion", "lora_rank", "heal_lr", "per_step",
+                                        "calibration_prompts"} <= set(default.params)
+    assert default.params["per_step"].choices == [1, 2] and default.largest("layers_to_remove", 0) <= 6
+    for text, message in [
+        ("[params.depth]\ntype = 'int'\nlow = 1\nhigh = 2", "unknown setting 'depth'"),
+        ("[params.per_step]\ntype = 'int'\nlow = 3\nhigh = 2", "low 3 > high 2"),
+        ("[params.heal_lr]\ntype = 'float'\nlow = 0\nhigh = 1\nlog = true", "log scale needs low > 0"),
+        ("[fixed]\ncriterion = 3", "must be a str"),
+        ("[params.criterion]\ntype = 'categorical'\nchoices = []", "non-empty choices"),
+        ("[params", "not valid TOML"),
+        ("[fixed]\nper_step = 1\n[params.per_step]\ntype = 'categorical'\nchoices = [1]", "both searched and fixed"),
+    ]:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+            SearchSpace.from_text(text)
+
+
+def test_storage_and_study_errors(sweep_data, tmp_path):
+    with pytest.raises(ConfigError, match="neither a URL"):
+        make_storage(str(tmp_path / "study.txt"))
+    with pytest.raises(ConfigError, match="cannot open the storage postgresql://u:\\*\\*\\*@127.0.0.1:1/x"):
+        make_storage("postgresql://u:secret@127.0.0.1:1/x")
+    url = f"sqlite:///{tmp_path}/study.db"
+    study_for(url, objective_for(tmp_path / "a"))
+    with pytest.raises(ConfigError, match="--directions maximize"):
+        study_for(url, objective_for(tmp_path / "a", directions=("maximize", "minimize")))
+    with pytest.raises(ConfigError, match="other sweep settings"):
+        study_for(url, objective_for(tmp_path / "a", space=SPACE.replace("high = 3", "high = 2")))
+    with pytest.raises(ConfigError, match="drafter has 3 layers"):
+        objective_for(tmp_path / "a", space=SPACE.replace("high = 2", "high = 3", 1))
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    target = tiny_target()
+    target.config.eos_token_id = 3
+    target.save_pretrained(root / "target")
+    save_drafter(build_tiny_drafter(num_hidden_layers=2, block_size=4), root / "drafter")
+    for name, count in (("calib", 3), ("eval", 2)):
+        (root / f"{name}.jsonl").write_text("\n".join(
+            json.dumps({"id": f"{name}{i}", "input_ids": list(range(5 + 7 * i, 9 + 8 * i))}) for i in range(count)))
+    (root / "space.toml").write_text("[params.calibration_prompts]\ntype = 'int'\nlow = 2\nhigh = 3\n"
+                                     "[params.criterion]\ntype = 'categorical'\nchoices = ['tau', 'speedup']\n"
+                                     "[fixed]\nlayers_to_remove = 1\nstop_on_speedup = false\n")
+    return root
+
+
+def sweep_args(root, out, *extra):
+    return ["sweep", "--study", "cli", "--out", str(out), "--drafter", str(root / "drafter"), "--target",
+            str(root / "target"), "--prompts", str(root / "calib.jsonl"), "--eval-prompts", str(root / "eval.jsonl"),
+            "--space", str(root / "space.toml"), "--max-new-tokens", "12", "--retention-floor", "0.05",
+            "--cache-dir", str(out / "cache"), "--no-wandb", *extra]
+
+
+def test_sweep_cli_runs_and_summarizes(pair_dirs, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert main(sweep_args(pair_dirs, out, "--n-trials", "2", "--json", "-")) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["counts"]["COMPLETE"] + summary["counts"].get("PRUNED", 0) == 2
+    assert (out / "optuna.db").is_file() and summary["best"]["checkpoint"]
+    assert main(["sweep", "--study", "cli", "--out", str(out), "--summary", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["best"] == summary["best"]
+    assert main(["sweep", "--study", "cli", "--out", str(out), "--summary"]) == 0
+    table = capsys.readouterr().out
+    assert "best trial" in table and str(summary["best"]["number"]) in table
+
+
+def error_of(capsys, argv) -> str:
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("Error: ") and "Traceback" not in err
+    return err
+
+
+def test_sweep_cli_errors(pair_dirs, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert "not a mode" in error_of(capsys, sweep_args(pair_dirs, out, "--n-trials", "1", "--directions", "minimize"))
+    assert "--n-trials" in error_of(capsys, sweep_args(pair_dirs, out))
+    assert "no study 'nope'" in error_of(capsys, ["sweep", "--study", "nope", "--out", str(out), "--summary"])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[params.depth]\ntype = 'int'\nlow = 1\nhigh = 2\n")
+    args = sweep_args(pair_dirs, out, "--n-trials", "1")
+    args[args.index("--space") + 1] = str(bad)
+    assert "unknown setting 'depth'" in error_of(capsys, args)
+    assert "neither a URL" in error_of(capsys, sweep_args(pair_dirs, out, "--n-trials", "1", "--storage", "x.txt"))
