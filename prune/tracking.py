@@ -172,6 +172,7 @@ class Tracker:
         self._started = True
         import wandb
 
+        wandb.setup(settings=wandb.Settings(silent=True))  # no console messages from wandb in this process
         folder = self.config.dir
         if folder is not None:
             Path(folder).mkdir(parents=True, exist_ok=True)
