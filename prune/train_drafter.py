@@ -135,10 +135,26 @@ def build_initial_drafter(args: argparse.Namespace):
     if 2 * params > args.max_mb * 1e6:
         raise ConfigError(f"the drafter would take {2 * params / 1e6:.1f} MB in bfloat16, over --max-mb "
                           f"{args.max_mb}; lower --hidden-size or --intermediate-size")
+    if args.init == "slice":
+        from models.transplant import drafter_from_target
+
+        # Calibration: the first training sequences of the data (deterministic), cropped like training.
+        calibration = [ex.input_ids[: args.max_length] for ex in load_examples(args.data, args.partial_data)
+                       [: args.calibration_sequences]]
+        model, stats = drafter_from_target(
+            load_target(target_dir), calibration, vocab_size=vocab, mask_token_id=real_vocab,
+            hidden_size=args.hidden_size, intermediate_size=args.intermediate_size, num_hidden_layers=args.layers,
+            block_size=args.block_size, seed=args.seed)
+        if (model.config.num_attention_heads, model.config.head_dim) != (args.heads, args.head_dim):
+            raise ConfigError(f"--init slice keeps one key/value group of the target: "
+                              f"{model.config.num_attention_heads} heads of width {model.config.head_dim}; pass "
+                              f"--heads {model.config.num_attention_heads} --head-dim {model.config.head_dim} --kv-heads 1")
+        return model, (f"sliced from the target ({stats['source_layers']} layers, {stats['kept_variance']:.3f} of the "
+                       f"normalised residual variance kept, {stats['calibration_tokens']} calibration tokens)"), params
     model = create_drafter(vocab_size=vocab, mask_token_id=real_vocab, block_size=args.block_size,
                            draft_vocab_size=real_vocab, seed=args.seed, tie_word_embeddings=True, **sizes)
     init_note = "random"
-    if args.init_embeddings == "pca":
+    if args.init == "pca":
         target = load_target(target_dir)
         table, kept = pca_embedding(target.get_input_embeddings().weight, args.hidden_size,
                                     model.config.initializer_range)
@@ -292,10 +308,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=d["kv_heads"], help="key/value heads")
     p.add_argument("--head-dim", type=int, default=d["head_dim"], help="width of one head")
     p.add_argument("--block-size", type=int, default=d["block_size"], help="B, mask slots per block")
-    p.add_argument("--init-embeddings", choices=("pca", "random"), default="pca",
-                   help="start the embedding from the target's (PCA projection) or at random")
+    p.add_argument("--init", choices=("slice", "pca", "random"), default="slice",
+                   help="slice: start every layer from the target (one rotation of its residual stream, one key/value "
+                   "group, the strongest MLP neurons; models.transplant); pca: only the embedding from the target's "
+                   "(PCA projection); random: nothing from the target")
+    p.add_argument("--calibration-sequences", type=int, default=48,
+                   help="--init slice: data sequences whose target activations choose the rotation, heads and neurons")
     p.add_argument("--init-from", default=None,
-                   help="start from this drafter folder instead of building one (sizes and --init-embeddings ignored)")
+                   help="start from this drafter folder instead of building one (sizes and --init ignored)")
     p.add_argument("--save-initial", default=None,
                    help="only build the initial drafter (with its embedding init) and save it here, then exit")
     p.add_argument("--eval-tau", type=int, default=0,

@@ -1,0 +1,210 @@
+"""Start a narrow drafter from its wide target: one rotation of the residual stream, one KV group, top neurons.
+
+A Llama/Qwen-style target of width D with H query heads in G key/value groups is sliced into a Qwen3
+drafter of width d < D with H/G query heads and one key/value head (one group), and a narrower MLP:
+
+- Residual stream: one orthonormal basis Q `(D, d)`, the top-d principal directions of the RMS-normalised
+  hidden states entering every layer on calibration text (SliceGPT-style, but one Q shared by all layers
+  because the drafter has a plain residual stream). The drafter's stream is x = Q^T h.
+- RMSNorm gains are folded into the matrices that read the norm (W diag(g) Q); the drafter's norm weight
+  becomes the scalar sqrt(D * f / d) that restores the target's scale (f: fraction of ||h||^2 that Q keeps,
+  measured per norm on the calibration text).
+- Attention: per layer, the key/value group whose output (through o_proj) is largest on the calibration
+  text; its query heads, key and value head; o_proj maps back through Q^T. Qwen3 normalises q and k per
+  head, which a Llama target does not; the q/k norm weights are then set to the target's measured RMS of q
+  and k so that attention logits start near the target's (a Qwen3 target's own q/k norms are copied).
+- MLP: the `intermediate` neurons with the largest mean |activation| times ||down_proj column||.
+- Layers past the target's depth start as identities (o_proj and down_proj zero) and learn in training.
+- Embedding (tied): E Q; the mask token and padding rows start at the mean embedding.
+
+The result is not a good language model by itself (a third of the width is kept), but it starts training
+from the target's features instead of noise; `prune train-drafter --init-from-target` uses it.
+"""
+
+import math
+
+import torch
+
+from .drafter import create_drafter
+from .errors import ConfigError
+
+
+class _Recorder:
+    """Forward hooks that accumulate the calibration statistics of one target, layer by layer."""
+
+    def __init__(self, target: torch.nn.Module, basis: torch.Tensor | None = None):
+        layers = target.model.layers
+        config = target.config
+        self.heads, self.groups = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.basis = basis
+        n, width = len(layers), config.hidden_size
+        self.cov = torch.zeros(width, width, dtype=torch.float64)
+        self.tokens = 0
+        self.kept = {}  # norm name -> [sum of sqrt(f), count]
+        self.group_out = torch.zeros(n, self.groups, dtype=torch.float64)
+        self.neuron = torch.zeros(n, config.intermediate_size, dtype=torch.float64)
+        self.q_rms = torch.zeros(n, self.heads, dtype=torch.float64)
+        self.k_rms = torch.zeros(n, self.groups, dtype=torch.float64)
+        self.handles = []
+        for i, layer in enumerate(layers):
+            self._watch_norm(layer.input_layernorm, f"{i}.input")
+            self._watch_norm(layer.post_attention_layernorm, f"{i}.post")
+            attn = layer.self_attn
+            self.handles.append(attn.o_proj.register_forward_pre_hook(self._group_hook(i, attn.o_proj.weight)))
+            self.handles.append(attn.q_proj.register_forward_hook(self._rms_hook(self.q_rms, i, self.heads)))
+            self.handles.append(attn.k_proj.register_forward_hook(self._rms_hook(self.k_rms, i, self.groups)))
+            self.handles.append(layer.mlp.down_proj.register_forward_pre_hook(self._neuron_hook(i, layer.mlp.down_proj.weight)))
+        self._watch_norm(target.model.norm, "final")
+
+    def _watch_norm(self, norm, name):
+        def hook(module, args):
+            h = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            if self.basis is None:
+                x = h / h.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-12)
+                self.cov += x.T @ x
+                self.tokens += x.shape[0]
+            else:
+                f = (h @ self.basis).pow(2).sum(-1) / h.pow(2).sum(-1).clamp_min(1e-12)
+                entry = self.kept.setdefault(name, [0.0, 0])
+                entry[0] += float(f.sqrt().sum())
+                entry[1] += f.numel()
+
+        self.handles.append(norm.register_forward_pre_hook(hook))
+
+    def _group_hook(self, i, weight):
+        def hook(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            per_group = self.heads // self.groups * self.head_dim
+            for g in range(self.groups):
+                cols = slice(g * per_group, (g + 1) * per_group)
+                self.group_out[i, g] += (x[:, cols] @ weight[:, cols].double().T).norm(dim=-1).sum()
+
+        return hook
+
+    def _neuron_hook(self, i, weight):
+        column_norm = weight.detach().double().norm(dim=0)
+
+        def hook(module, args):
+            a = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            self.neuron[i] += a.abs().sum(0) * column_norm
+
+        return hook
+
+    def _rms_hook(self, table, i, count):
+        def hook(module, args, output):
+            y = output.detach().reshape(-1, count, self.head_dim).double()
+            table[i] += y.pow(2).mean(-1).sqrt().sum(0)
+
+        return hook
+
+    def close(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def _run(target, calibration: list[torch.Tensor], basis=None) -> _Recorder:
+    recorder = _Recorder(target, basis)
+    try:
+        for ids in calibration:
+            target(input_ids=ids.view(1, -1).to(target.device), use_cache=False)
+    finally:
+        recorder.close()
+    return recorder
+
+
+@torch.no_grad()
+def drafter_from_target(
+    target: torch.nn.Module,
+    calibration: list[torch.Tensor],
+    vocab_size: int,
+    mask_token_id: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_hidden_layers: int,
+    block_size: int = 16,
+    seed: int = 0,
+) -> tuple[torch.nn.Module, dict]:
+    """Slice `target` (Llama/Qwen architecture, float32) into a drafter; returns (drafter, statistics).
+
+    Args:
+        calibration: 1-D LongTensors of token ids (e.g. prompts + target responses), run one by one.
+        vocab_size: the drafter's embedding rows (target vocabulary + mask id, padded).
+        hidden_size: d, at most the target's width; the drafter's attention keeps one group of
+            `heads / kv_heads` query heads of the target's head_dim.
+    """
+    tc = target.config
+    width, heads, groups = tc.hidden_size, tc.num_attention_heads, tc.num_key_value_heads
+    head_dim = getattr(tc, "head_dim", None) or width // heads
+    per_group = heads // groups
+    if hidden_size > width or intermediate_size > tc.intermediate_size:
+        raise ConfigError(f"cannot slice a width-{width}/MLP-{tc.intermediate_size} target into "
+                          f"{hidden_size}/{intermediate_size}; choose sizes no larger than the target's")
+    if not calibration:
+        raise ConfigError("drafter_from_target needs calibration sequences")
+    target = target.float().eval()
+
+    first = _run(target, calibration)
+    cov = first.cov / max(1, first.tokens)
+    values, vectors = torch.linalg.eigh(cov)
+    basis = vectors[:, -hidden_size:].flip(-1)  # (D, d), leading directions first
+    basis = basis * torch.sign(basis[basis.abs().argmax(0), torch.arange(hidden_size)])
+    kept_variance = float(values[-hidden_size:].sum() / values.sum())
+    second = _run(target, calibration, basis)
+    scale = {name: math.sqrt(width / hidden_size) * s / n for name, (s, n) in second.kept.items()}
+    Q = basis.float()
+
+    source_layers = len(target.model.layers)
+    n_tokens = sum(c.numel() for c in calibration)
+    drafter = create_drafter(
+        vocab_size=vocab_size, mask_token_id=mask_token_id, block_size=block_size,
+        num_hidden_layers=num_hidden_layers, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_attention_heads=per_group, num_key_value_heads=1, head_dim=head_dim,
+        draft_vocab_size=min(mask_token_id, tc.vocab_size), seed=seed, tie_word_embeddings=True,
+        rope_parameters=dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),
+        rms_norm_eps=tc.rms_norm_eps, max_position_embeddings=tc.max_position_embeddings,
+    )
+    chosen_groups, chosen = [], {}
+    for i, layer in enumerate(drafter.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if i >= source_layers:  # an extra layer: identity at the start
+            attn.o_proj.weight.zero_()
+            mlp.down_proj.weight.zero_()
+            continue
+        src = target.model.layers[i]
+        g = int(first.group_out[i].argmax())
+        chosen_groups.append(g)
+        q_rows = torch.arange(g * per_group * head_dim, (g + 1) * per_group * head_dim)
+        kv_rows = torch.arange(g * head_dim, (g + 1) * head_dim)
+        gain_in = src.input_layernorm.weight.float()
+        attn.q_proj.weight.copy_(src.self_attn.q_proj.weight[q_rows] * gain_in @ Q)
+        attn.k_proj.weight.copy_(src.self_attn.k_proj.weight[kv_rows] * gain_in @ Q)
+        attn.v_proj.weight.copy_(src.self_attn.v_proj.weight[kv_rows] * gain_in @ Q)
+        attn.o_proj.weight.copy_(Q.T @ src.self_attn.o_proj.weight[:, q_rows])
+        if hasattr(src.self_attn, "q_norm"):  # a Qwen3 source normalises q and k itself
+            attn.q_norm.weight.copy_(src.self_attn.q_norm.weight)
+            attn.k_norm.weight.copy_(src.self_attn.k_norm.weight)
+        else:
+            attn.q_norm.weight.fill_(float(first.q_rms[i, g * per_group : (g + 1) * per_group].mean() / n_tokens))
+            attn.k_norm.weight.fill_(float(first.k_rms[i, g] / n_tokens))
+        neurons = first.neuron[i].topk(intermediate_size).indices.sort().values
+        chosen[i] = neurons
+        gain_post = src.post_attention_layernorm.weight.float()
+        mlp.gate_proj.weight.copy_(src.mlp.gate_proj.weight[neurons] * gain_post @ Q)
+        mlp.up_proj.weight.copy_(src.mlp.up_proj.weight[neurons] * gain_post @ Q)
+        mlp.down_proj.weight.copy_(Q.T @ src.mlp.down_proj.weight[:, neurons])
+        layer.input_layernorm.weight.fill_(scale[f"{i}.input"])
+        layer.post_attention_layernorm.weight.fill_(scale[f"{i}.post"])
+    gain_final = target.model.norm.weight.float()
+    drafter.model.norm.weight.copy_(scale["final"] * ((Q * gain_final[:, None]) * Q).sum(0))
+    embed = target.get_input_embeddings().weight.float() @ Q  # (V_target, d)
+    table = drafter.get_input_embeddings().weight
+    rows = min(embed.shape[0], table.shape[0])
+    table[:rows].copy_(embed[:rows])
+    table[rows:].copy_(embed.mean(0, keepdim=True).expand(table.shape[0] - rows, -1))
+    stats = {"kept_variance": round(kept_variance, 4), "kv_groups": chosen_groups,
+             "norm_scales": {k: round(v, 4) for k, v in sorted(scale.items())},
+             "source_layers": source_layers, "calibration_sequences": len(calibration),
+             "calibration_tokens": int(n_tokens)}
+    return drafter.eval(), stats
