@@ -14,6 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import TINY_REAL_VOCAB, build_tiny_drafter
+from models.drafter import save_drafter
 
 
 def tiny_target(seed: int = 1, layers: int = 2, hidden: int = 48) -> LlamaForCausalLM:
@@ -43,6 +44,15 @@ def bigram_target(seed: int = 1, layers: int = 2, hidden: int = 48) -> LlamaForC
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
     return target
+
+
+def save_tiny_pair(root, drafter_layers: int = 2, block_size: int = 4):
+    """Write a tiny target (eos id 3) to ROOT/target and a random tiny drafter to ROOT/drafter; returns root."""
+    target = tiny_target()
+    target.config.eos_token_id = 3
+    target.save_pretrained(root / "target")
+    save_drafter(build_tiny_drafter(num_hidden_layers=drafter_layers, block_size=block_size), root / "drafter")
+    return root
 
 
 def prompt_ids(length: int, seed: int = 0) -> list[int]:

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from _pairs import tiny_target
+from _pairs import save_tiny_pair
 from conftest import build_tiny_drafter
 from models.drafter import save_drafter
 from prune.cli import main
@@ -15,11 +15,7 @@ from prune.cli import main
 
 @pytest.fixture(scope="module")
 def pair_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair")
-    target = tiny_target()
-    target.config.eos_token_id = 3
-    target.save_pretrained(root / "target")
-    save_drafter(build_tiny_drafter(num_hidden_layers=2, block_size=4), root / "drafter")
+    root = save_tiny_pair(tmp_path_factory.mktemp("pair"), drafter_layers=2)
     prompts = root / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "input_ids": list(range(5, 9 + i))}) for i in range(3)))
     return root

@@ -12,8 +12,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from _pairs import prompt_ids, tiny_target, trained_drafter
-from conftest import build_tiny_drafter
+from _pairs import prompt_ids, save_tiny_pair, trained_drafter
 from decode.decoders import DecodeConfig
 from models.drafter import save_drafter
 from models.errors import ConfigError
@@ -260,11 +259,7 @@ def test_storage_and_study_errors(sweep_data, tmp_path):
 
 @pytest.fixture(scope="module")
 def pair_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair")
-    target = tiny_target()
-    target.config.eos_token_id = 3
-    target.save_pretrained(root / "target")
-    save_drafter(build_tiny_drafter(num_hidden_layers=2, block_size=4), root / "drafter")
+    root = save_tiny_pair(tmp_path_factory.mktemp("pair"), drafter_layers=2)
     for name, count in (("calib", 3), ("eval", 2)):
         (root / f"{name}.jsonl").write_text("\n".join(
             json.dumps({"id": f"{name}{i}", "input_ids": list(range(5 + 7 * i, 9 + 8 * i))}) for i in range(count)))

@@ -7,10 +7,8 @@ import sys
 import pytest
 
 import prune.tracking as tracking
-from _pairs import tiny_target
+from _pairs import save_tiny_pair
 from _wandb_log import summarize_run
-from conftest import build_tiny_drafter
-from models.drafter import save_drafter
 from prune.cli import main
 
 
@@ -28,11 +26,7 @@ def wandb_env(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def pair_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair")
-    target = tiny_target()
-    target.config.eos_token_id = 3
-    target.save_pretrained(root / "target")
-    save_drafter(build_tiny_drafter(num_hidden_layers=3, block_size=4), root / "drafter")
+    root = save_tiny_pair(tmp_path_factory.mktemp("pair"), drafter_layers=3)
     (root / "prompts.jsonl").write_text("\n".join(json.dumps({"input_ids": list(range(5, 9 + i))}) for i in range(3)))
     heal = root / "heal"  # a distillation folder as `prune distill` writes it
     heal.mkdir()
