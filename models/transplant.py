@@ -50,6 +50,8 @@ class _Recorder:
         for i, layer in enumerate(layers):
             self._watch_norm(layer.input_layernorm, f"{i}.input")
             self._watch_norm(layer.post_attention_layernorm, f"{i}.post")
+            if basis is not None:  # the second pass only measures what the basis keeps at each norm
+                continue
             attn = layer.self_attn
             self.handles.append(attn.o_proj.register_forward_pre_hook(self._group_hook(i, attn.o_proj.weight)))
             self.handles.append(attn.q_proj.register_forward_hook(self._rms_hook(self.q_rms, i, self.heads)))
