@@ -43,6 +43,11 @@ class DecodeConfig:
         packed_budget: async only; query tokens the packed pass may spend on candidate blocks.
         fan_out: async only; most bonus guesses per outcome.
         concurrent: async only; overlap the verify pass and the packed pass (False: one after the other).
+        lookahead: async only, and only where every verifier knows its answers ahead (replay): verify
+            first, then let the packed pass compute only what the known outcome (a, b) can use - the
+            chain up to d_a and the candidates for that outcome. Acceptances and hits are those of the
+            full pass (`round_trace` is unchanged; `packed_tokens` still counts the full pass), at about
+            a quarter of the drafter work; live verification ignores it.
     """
 
     max_new_tokens: int = 128
@@ -53,6 +58,7 @@ class DecodeConfig:
     packed_budget: int = 64
     fan_out: int = 3
     concurrent: bool = True
+    lookahead: bool = True
 
     @property
     def stop_rule(self) -> StopRule:
@@ -287,13 +293,16 @@ def _async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config:
         requests.append(DraftRequest(seq.tokens[engine.cache_lens[r] :] + draft.tokens[1:], blocks))
         plans.append(plan)
 
+    fed = requests
+    lookahead = config.lookahead and all(seq.verifier.answers_ahead for seq in seqs)
+
     def packed_pass():
         t0 = time.perf_counter()
-        predictions = engine.forward(requests)
+        predictions = engine.forward(fed)
         return predictions, t0, time.perf_counter()
 
-    future = pool.submit(packed_pass) if config.concurrent else None
-    if future is None:
+    future = pool.submit(packed_pass) if config.concurrent and not lookahead else None
+    if future is None and not lookahead:
         predictions, p_start, p_end = packed_pass()
     v_start = time.perf_counter()
     accepted = []
@@ -301,7 +310,10 @@ def _async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config:
     for r, seq in enumerate(seqs):
         accepted.append(seq.verify_draft() if active[r] else 0)
     v_end = time.perf_counter()
-    if future is not None:
+    if lookahead:
+        fed, plans = _usable_parts(seqs, requests, plans, accepted, old_lengths, engine.cache_lens)
+        predictions, p_start, p_end = packed_pass()
+    elif future is not None:
         predictions, p_start, p_end = future.result()
 
     # The committed part of each chain: the uncached committed tokens, t, and d1 .. da.
@@ -334,6 +346,31 @@ def _async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config:
                     total_s=total,
                 )
             )
+
+
+def _usable_parts(seqs, requests, plans, accepted, old_lengths, cache_lens):
+    """The part of each row's packed request that the known outcome (a, b) can use, and its plan.
+
+    The chain keeps the uncached committed tokens, t and d1 .. da (exactly what `keep` retains); the
+    blocks keep the candidates for outcome a whose guess is b or the all-accepted one (whose first slot
+    decides). A candidate block attends only to the chain up to its anchor and to itself, so what it
+    predicts does not depend on the parts left out.
+    """
+    fed, kept_plans = [], []
+    for r, (seq, request, plan) in enumerate(zip(seqs, requests, plans)):
+        if request is None:
+            fed.append(None)
+            kept_plans.append([])
+            continue
+        bonus = seq.tokens[-1]
+        usable = [] if seq.done else [
+            (candidate, spec) for candidate, spec in zip(plan, request.blocks)
+            if candidate.accepted == accepted[r] and candidate.guess in (None, bonus)
+        ]
+        chain = request.chain[: old_lengths[r] - cache_lens[r] + accepted[r]]
+        fed.append(DraftRequest(chain, [spec for _, spec in usable]))
+        kept_plans.append([candidate for candidate, _ in usable])
+    return fed, kept_plans
 
 
 def _take_candidate(seq: _Sequence, plan, predictions: list[BlockPrediction], a: int, block: int) -> bool:

@@ -35,6 +35,8 @@ class LiveVerifier:
         temperature: 0 for greedy; > 0 returns softmax(logits / temperature) as well.
     """
 
+    answers_ahead = False  # the answer exists only after the target's pass
+
     def __init__(self, model: torch.nn.Module, temperature: float = 0.0):
         self.model = model
         self.temperature = temperature
@@ -86,6 +88,7 @@ class ReplayVerifier:
     """
 
     temperature = 0.0
+    answers_ahead = True  # the async decoder may skip packed-pass work the outcome cannot use
 
     def __init__(self, trajectory: list[int]):
         self.trajectory = list(trajectory)

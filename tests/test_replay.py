@@ -64,3 +64,32 @@ def test_replay_with_a_longer_budget_than_recorded_is_refused(setup):
     prompt = prompts()[0]
     with pytest.raises(DataError, match="ended before the stop rule"):
         decode_speculative("async", drafter, [ReplayVerifier(trajectories[0])], [prompt], longer)
+
+
+def test_lookahead_keeps_every_round_and_feeds_less(setup, monkeypatch):
+    """Replay's lookahead (verify first, compute only the usable candidates) changes cost, not results."""
+    from dataclasses import replace
+
+    from decode.engine import DraftEngine
+
+    _, drafter, config, trajectories = setup
+    fed = []
+    forward = DraftEngine.forward
+
+    def counting_forward(self, requests):
+        fed.append(sum(len(r.chain) + sum(drafter.config.block_size for _ in r.blocks) for r in requests if r))
+        return forward(self, requests)
+
+    monkeypatch.setattr(DraftEngine, "forward", counting_forward)
+    runs = {}
+    for lookahead in (True, False):
+        fed.clear()
+        verifiers = [ReplayVerifier(t) for t in trajectories]
+        runs[lookahead] = (decode_speculative("async", drafter, verifiers, prompts(), replace(config, lookahead=lookahead)),
+                           sum(fed))
+    (ahead, ahead_fed), (full, full_fed) = runs[True], runs[False]
+    assert [r.round_trace for r in ahead] == [r.round_trace for r in full]
+    assert [r.output_ids for r in ahead] == [r.output_ids for r in full]
+    assert [[x.packed_tokens for x in r.rounds] for r in ahead] == [[x.packed_tokens for x in r.rounds] for r in full]
+    assert any(hit for r in ahead for _, hit in r.round_trace)
+    assert ahead_fed < full_fed / 2

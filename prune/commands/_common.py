@@ -45,7 +45,8 @@ def add_prompt_args(parser, default_suite: str = "humaneval:eval", max_new_token
     source.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                         help="JSONL prompts: records with prompt, messages or input_ids (optional id)")
     parser.set_defaults(default_suite=default_suite)
-    parser.add_argument("--limit", type=int, default=limit, help="use the first N prompts (default: all)")
+    parser.add_argument("--limit", type=int, default=limit,
+                        help="use the first N prompts" + (" (default: all)" if limit is None else ""))
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens generated per prompt at most")
     parser.add_argument("--no-chat-template", action="store_true",
                         help="feed prompt text as is instead of through the tokenizer's chat template")
