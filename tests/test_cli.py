@@ -231,3 +231,41 @@ def test_train_drafter_command_from_an_initial_drafter(tmp_path, capsys):
     assert load_drafter(tmp_path / "trained").config.num_hidden_layers == 2
     capsys.readouterr()
     assert "not empty" in error_of(capsys, args)
+
+
+def test_heal_data_defaults_to_the_shipped_demo_data_and_accepts_an_unfinished_folder(tmp_path, capsys):
+    import argparse
+    import shutil
+
+    from models.demo import DEMO_DISTILL_DIR
+    from prune.commands._common import heal_examples
+
+    examples, folder = heal_examples(argparse.Namespace(heal_data=None, drafter=None))
+    assert folder == str(DEMO_DISTILL_DIR) and len(examples) > 1000
+    assert heal_examples(argparse.Namespace(heal_data=None, drafter=str(tmp_path))) == (None, None)
+
+    unfinished = tmp_path / "unfinished"  # the manifest plans more shards than exist
+    unfinished.mkdir()
+    shutil.copy(DEMO_DISTILL_DIR / "manifest.json", unfinished)
+    shutil.copy(DEMO_DISTILL_DIR / "shard-00000.jsonl", unfinished)
+    capsys.readouterr()
+    examples, _ = heal_examples(argparse.Namespace(heal_data=str(unfinished), drafter=str(tmp_path)))
+    assert 0 < len(examples) <= 64
+    assert f"healing on the {len(examples)} finished examples" in capsys.readouterr().err
+
+
+def test_progress_off_a_terminal_is_a_plain_line_per_interval(capsys):
+    from prune.progress import progress_bar
+
+    with progress_bar("score", 3, log_every_s=3600) as advance:
+        advance()
+        advance()
+    assert capsys.readouterr().err == ""  # not yet due
+    with progress_bar("score", 3, log_every_s=0) as advance:
+        for _ in range(3):
+            advance()
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" (")[0] for line in lines] == ["score: 1/3", "score: 2/3", "score: 3/3"]
+    with progress_bar("score", 3, enabled=False, log_every_s=0) as advance:
+        advance()
+    assert capsys.readouterr().err == ""

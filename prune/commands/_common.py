@@ -3,6 +3,7 @@
 import argparse
 import json
 import sys
+from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -50,6 +51,34 @@ def add_prompt_args(parser, default_suite: str = "humaneval:eval", max_new_token
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens generated per prompt at most")
     parser.add_argument("--no-chat-template", action="store_true",
                         help="feed prompt text as is instead of through the tokenizer's chat template")
+
+
+def add_heal_data_arg(parser) -> None:
+    parser.add_argument("--heal-data", default=None,
+                        help="distillation data folder for healing (prune distill output) (default: the shipped "
+                        "demo data, data/demo-distill, with the demo drafter; none otherwise: no healing)")
+
+
+def heal_examples(args) -> tuple[list | None, str | None]:
+    """The healing examples of --heal-data (or the demo data for the demo drafter) and their folder.
+
+    An unfinished generation is used as far as it goes, with a note: healing needs examples, not all of them.
+    """
+    from models.demo import DEMO_DISTILL_DIR
+    from prune.distill import MANIFEST
+    from prune.train_drafter import load_examples
+
+    folder = args.heal_data
+    if folder is None and args.drafter is None and (DEMO_DISTILL_DIR / MANIFEST).is_file():
+        folder = str(DEMO_DISTILL_DIR)
+    if folder is None:
+        return None, None
+    examples = load_examples(folder, partial=True)
+    planned = json.loads((Path(folder) / MANIFEST).read_text()).get("num_prompts")
+    if planned and len(examples) < planned:
+        print(f"note: healing on the {len(examples)} finished examples of {folder} ({planned} planned)",
+              file=sys.stderr)
+    return examples, folder
 
 
 def add_tracking_args(parser) -> None:
@@ -138,9 +167,9 @@ def stdout_console():
     return Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120)
 
 
-def interactive(json_destination: str | None) -> bool:
-    """Progress bars only when a person watches: stderr is a terminal and JSON does not go to stdout."""
-    return sys.stderr.isatty() and json_destination != "-"
+def show_progress(json_destination: str | None) -> bool:
+    """Progress on stderr (a bar on a terminal, periodic lines in a log) unless JSON goes to stdout."""
+    return json_destination != "-"
 
 
 def load_pair_and_prompts(args):

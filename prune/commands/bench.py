@@ -7,8 +7,8 @@ from ._common import (
     add_debug,
     add_model_args,
     add_prompt_args,
-    interactive,
     load_pair_and_prompts,
+    show_progress,
     stdout_console,
     write_json,
 )
@@ -73,7 +73,7 @@ def run(args) -> int:
     from prune.progress import progress_bar
 
     total = len(prompts) * len(set(decoders))
-    with progress_bar("bench", total, enabled=interactive(args.json)) as advance:
+    with progress_bar("bench", total, enabled=show_progress(args.json)) as advance:
         report, outputs = run_bench(pair.drafter, pair.target, prompts, config, on_result=lambda *_: advance())
     report["settings"].update({"drafter": drafter_dir, "target": target_path, "prompts": source})
     if args.save_outputs:

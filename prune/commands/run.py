@@ -1,16 +1,20 @@
 """`prune run`: progressive pruning - score, remove, heal with LoRA, export - repeated until a stop rule."""
 
+import functools
 import json
 import sys
 
 from ._common import (
     add_command,
     add_debug,
+    add_heal_data_arg,
     add_model_args,
     add_prompt_args,
     add_tracking_args,
+    heal_examples,
     load_pair_and_prompts,
     make_tracker,
+    show_progress,
     write_json,
 )
 
@@ -46,8 +50,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--criterion", choices=("tau", "speedup"), default="tau", help="layer scoring criterion")
     parser.add_argument("--verify", choices=("replay", "live"), default="replay", help="verification in scoring")
     parser.add_argument("--packed-budget", type=int, default=64, help="async: candidate tokens per packed pass")
-    parser.add_argument("--heal-data", default=None,
-                        help="distillation data folder for healing (prune distill output); none: no healing")
+    add_heal_data_arg(parser)
     parser.add_argument("--heal-steps", type=int, default=40, help="LoRA updates per heal (0: no healing)")
     parser.add_argument("--lora-rank", type=int, default=8, help="LoRA rank")
     parser.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha (scale = alpha / rank)")
@@ -62,6 +65,7 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from decode.decoders import DecodeConfig
     from prune.heal import HealConfig
+    from prune.progress import progress_bar
     from prune.progressive import RunConfig, check_resumable, config_record, run_pruning
     from prune.scoring import ScoreConfig, fingerprint, record_trajectories
 
@@ -70,29 +74,26 @@ def run(args) -> int:
     pair, tokenized, drafter_dir, target_path, source = load_pair_and_prompts(args)
     prompts = [p.input_ids for p in tokenized]
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens, stop_ids=pair.stop_ids, packed_budget=args.packed_budget)
+    examples, heal_data = heal_examples(args)
     config = RunConfig(
         layers_to_remove=args.layers_to_remove, min_retention=args.min_retention, per_step=args.per_step,
         stop_on_speedup=not args.no_speedup_stop,
         score=ScoreConfig(criterion=args.criterion, verify=args.verify, decode=decode, seed=args.seed),
-        heal=HealConfig(steps=args.heal_steps if args.heal_data else 0, rank=args.lora_rank, alpha=args.lora_alpha,
+        heal=HealConfig(steps=args.heal_steps if examples else 0, rank=args.lora_rank, alpha=args.lora_alpha,
                         lr=args.heal_lr, seed=args.seed),
     )
     config.validate(pair.drafter.config.num_hidden_layers)
-    examples = None
-    if args.heal_data:
-        from prune.train_drafter import load_examples
-
-        examples = load_examples(args.heal_data)
     trajectories = record_trajectories(pair.target, prompts, decode) if args.verify == "replay" else None
     drafter_hash = fingerprint(pair.drafter)
     tracker = make_tracker(args, "run", {
         "settings": config_record(config), "drafter": drafter_dir, "drafter_hash": drafter_hash,
-        "target": target_path, "prompts": source, "prompt_count": len(prompts), "heal_data": args.heal_data,
+        "target": target_path, "prompts": source, "prompt_count": len(prompts), "heal_data": heal_data,
         "out": args.out, "resume": args.resume}, drafter_hash, out=args.out)
     try:
         state = run_pruning(pair.drafter, drafter_dir, prompts, args.out, config, target=pair.target,
                             trajectories=trajectories, heal_examples=examples, resume=args.resume,
-                            log=lambda message: print(message, file=sys.stderr), on_step=tracker.on_step)
+                            log=lambda message: print(message, file=sys.stderr), on_step=tracker.on_step,
+                            progress=functools.partial(progress_bar, enabled=show_progress(args.json)))
     except BaseException:
         tracker.finish(exit_code=1)
         raise

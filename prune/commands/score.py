@@ -7,9 +7,9 @@ from ._common import (
     add_model_args,
     add_prompt_args,
     add_tracking_args,
-    interactive,
     load_pair_and_prompts,
     make_tracker,
+    show_progress,
     stdout_console,
     write_json,
 )
@@ -72,7 +72,7 @@ def run(args) -> int:
     key = fingerprint("scores", drafter_hash, target_key, ids, config.criterion, config.verify,
                       config.bootstrap, config.seed, decode.max_new_tokens, decode.packed_budget, str(device))
     layers = pair.drafter.config.num_hidden_layers
-    with progress_bar("score", layers, enabled=interactive(args.json)) as advance:
+    with progress_bar("score", layers, enabled=show_progress(args.json)) as advance:
         report = cached_json(
             cache / "scores" if cache else None, key,
             lambda: score_layers(pair.drafter, ids, config, target=pair.target, trajectories=trajectories,

@@ -7,9 +7,11 @@ import sys
 from ._common import (
     add_command,
     add_debug,
+    add_heal_data_arg,
     add_model_args,
     add_prompt_args,
     add_tracking_args,
+    heal_examples,
     load_pair_and_prompts,
     make_tracker,
     prompt_records,
@@ -71,8 +73,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--eval-limit", type=int, default=8, help="evaluation prompts used")
     parser.add_argument("--verify", choices=("replay", "live"), default="replay", help="verification in scoring")
     parser.add_argument("--packed-budget", type=int, default=64, help="async: candidate tokens per packed pass")
-    parser.add_argument("--heal-data", default=None,
-                        help="distillation data for healing; without it the space's LoRA settings are not searched")
+    add_heal_data_arg(parser)  # without healing data the space's LoRA settings are not searched
     add_tracking_args(parser)
     add_debug(parser)
     parser.set_defaults(run=run)
@@ -143,12 +144,8 @@ def _objective(args, config, space):
         key = fingerprint("trajectories", target_key, ids, decode.max_new_tokens, decode.stop_ids)
         return cached_json(cache / "trajectories", key, lambda: record_trajectories(pair.target, ids, decode))
 
-    examples = None
-    if args.heal_data:
-        from prune.train_drafter import load_examples
-
-        examples = load_examples(args.heal_data)
-    else:
+    examples, _ = heal_examples(args)
+    if not examples:
         print("note: no --heal-data, so trials do not heal and the space's LoRA settings are not searched",
               file=sys.stderr)
     drafter_hash = fingerprint(pair.drafter)
