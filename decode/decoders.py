@@ -45,9 +45,10 @@ class DecodeConfig:
         concurrent: async only; overlap the verify pass and the packed pass (False: one after the other).
         lookahead: async only, and only where every verifier knows its answers ahead (replay): verify
             first, then let the packed pass compute only what the known outcome (a, b) can use - the
-            chain up to d_a and the candidates for that outcome. Acceptances and hits are those of the
-            full pass (`round_trace` is unchanged; `packed_tokens` still counts the full pass), at about
-            a quarter of the drafter work; live verification ignores it.
+            chain up to d_a and the candidates for that outcome, or on a known miss the fallback draft
+            itself (one pass per round instead of two). Acceptances and hits are those of the full
+            decoder (`round_trace` is unchanged; `packed_tokens` still counts the full pass), at a
+            fraction of the drafter work; live verification ignores it.
     """
 
     max_new_tokens: int = 128
@@ -293,7 +294,7 @@ def _async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config:
         requests.append(DraftRequest(seq.tokens[engine.cache_lens[r] :] + draft.tokens[1:], blocks))
         plans.append(plan)
 
-    fed = requests
+    fed, drafted = requests, [False] * len(seqs)
     lookahead = config.lookahead and all(seq.verifier.answers_ahead for seq in seqs)
 
     def packed_pass():
@@ -311,20 +312,25 @@ def _async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config:
         accepted.append(seq.verify_draft() if active[r] else 0)
     v_end = time.perf_counter()
     if lookahead:
-        fed, plans = _usable_parts(seqs, requests, plans, accepted, old_lengths, engine.cache_lens)
+        fed, plans, drafted = _usable_parts(seqs, requests, plans, accepted, old_lengths, engine.cache_lens)
         predictions, p_start, p_end = packed_pass()
     elif future is not None:
         predictions, p_start, p_end = future.result()
 
-    # The committed part of each chain: the uncached committed tokens, t, and d1 .. da.
+    # The committed part of each chain: the uncached committed tokens, t, and d1 .. da (and b where the
+    # lookahead drafted the fallback in the same pass).
     engine.keep(
+        [len(request.chain) if request else 0 for request in fed] if lookahead else
         [old_lengths[r] - engine.cache_lens[r] + accepted[r] if active[r] else 0 for r in range(len(seqs))]
     )
     hits = [None] * len(seqs)
     for r, seq in enumerate(seqs):
-        if active[r] and not seq.done:
+        if drafted[r]:
+            seq.draft = _Draft.from_slots(seq.tokens[-1], predictions[r][0], 0, block - 1)
+            hits[r] = False
+        elif active[r] and not seq.done:
             hits[r] = _take_candidate(seq, plans[r], predictions[r], accepted[r], block)
-    missed = [active[r] and hits[r] is False for r in range(len(seqs))]
+    missed = [active[r] and hits[r] is False and not drafted[r] for r in range(len(seqs))]
     fallback_s = _sync_draft(engine, seqs, missed, block) if any(missed) else 0.0
 
     overlap = max(0.0, min(v_end, p_end) - max(v_start, p_start))
@@ -349,18 +355,22 @@ def _async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config:
 
 
 def _usable_parts(seqs, requests, plans, accepted, old_lengths, cache_lens):
-    """The part of each row's packed request that the known outcome (a, b) can use, and its plan.
+    """The part of each row's packed request that the known outcome (a, b) can use, its plan, and
+    whether the row's fallback draft rides along.
 
     The chain keeps the uncached committed tokens, t and d1 .. da (exactly what `keep` retains); the
     blocks keep the candidates for outcome a whose guess is b or the all-accepted one (whose first slot
     decides). A candidate block attends only to the chain up to its anchor and to itself, so what it
-    predicts does not depend on the parts left out.
+    predicts does not depend on the parts left out. Where no candidate can match, the miss is known
+    before the pass, so the pass feeds b as well and drafts the fallback block after it: what the
+    separate fallback pass would feed, one pass earlier.
     """
-    fed, kept_plans = [], []
+    fed, kept_plans, drafted = [], [], []
     for r, (seq, request, plan) in enumerate(zip(seqs, requests, plans)):
         if request is None:
             fed.append(None)
             kept_plans.append([])
+            drafted.append(False)
             continue
         bonus = seq.tokens[-1]
         usable = [] if seq.done else [
@@ -368,9 +378,14 @@ def _usable_parts(seqs, requests, plans, accepted, old_lengths, cache_lens):
             if candidate.accepted == accepted[r] and candidate.guess in (None, bonus)
         ]
         chain = request.chain[: old_lengths[r] - cache_lens[r] + accepted[r]]
-        fed.append(DraftRequest(chain, [spec for _, spec in usable]))
+        blocks = [spec for _, spec in usable]
+        miss = not seq.done and not usable
+        if miss:
+            chain, blocks = seq.tokens[cache_lens[r] :], [BlockSpec(len(seq.tokens) - 1)]
+        fed.append(DraftRequest(chain, blocks))
         kept_plans.append([candidate for candidate, _ in usable])
-    return fed, kept_plans
+        drafted.append(miss)
+    return fed, kept_plans, drafted
 
 
 def _take_candidate(seq: _Sequence, plan, predictions: list[BlockPrediction], a: int, block: int) -> bool:
