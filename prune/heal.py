@@ -7,6 +7,7 @@ loss, and is merged into the weights with `merge_and_unload`, so the healed draf
 """
 
 import copy
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,9 @@ def add_lora(model: torch.nn.Module, config: HealConfig):
 
     lora = LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
                       target_modules=list(config.target_modules), bias="none")
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft reads the attribute transformers 5 deprecated; the warning is theirs, not the user's
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         torch.manual_seed(config.seed)
         return get_peft_model(copy.deepcopy(model), lora)
 
