@@ -296,4 +296,25 @@ def summarize(study) -> dict:
             summary["best"] = trial_record(study.best_trial)
         except ValueError:  # no COMPLETE (feasible) trial yet
             summary["best"] = None
+        summary["tradeoff_front"] = [trial_record(t) for t in tradeoff_front(study.trials)]
     return summary
+
+
+def tradeoff_front(trials) -> list:
+    """COMPLETE trials that no other COMPLETE trial beats on both eval retention (higher) and cost (lower).
+
+    A single-objective study optimises speedup alone; this front shows, from the attributes every trial
+    records, which checkpoints trade retention for size best - the front a multi-objective study searches.
+    Sorted by cost, then trial number.
+    """
+    done = [t for t in trials if t.state == TrialState.COMPLETE
+            and t.user_attrs.get("eval_retention") is not None and t.user_attrs.get("cost") is not None]
+
+    def point(t):
+        return t.user_attrs["eval_retention"], t.user_attrs["cost"]
+
+    def dominated(t):
+        r, c = point(t)
+        return any(ro >= r and co <= c and (ro, co) != (r, c) for ro, co in map(point, done))
+
+    return sorted((t for t in done if not dominated(t)), key=lambda t: (point(t)[1], t.number))

@@ -224,6 +224,19 @@ def test_pareto_front_holds_only_non_dominated_trials(sweep_data, tmp_path):
     assert all(t.values == [t.user_attrs["eval_retention"], t.user_attrs["layers"]] for t in real)
 
 
+def test_single_objective_summary_lists_the_tradeoff_front():
+    from sweeps.study import tradeoff_front
+
+    study = optuna.create_study(direction="maximize")
+    points = [(0.98, 35), (0.99, 35), (0.95, 33), (0.95, 34), (1.01, 36), (0.90, 33), (0.97, 33)]
+    for n, (retention, cost) in enumerate(points):
+        study.add_trial(optuna.trial.create_trial(value=float(n), user_attrs={"eval_retention": retention, "cost": cost}))
+    study.add_trial(optuna.trial.create_trial(state=TrialState.PRUNED, user_attrs={"eval_retention": 2.0, "cost": 1}))
+    expected = [n for n, p in enumerate(points) if not any(dominates(o, p) for o in points)]
+    assert [t.number for t in tradeoff_front(study.trials)] == sorted(expected, key=lambda n: (points[n][1], n))
+    assert [row["number"] for row in summarize(study)["tradeoff_front"]] == [6, 1, 4]
+
+
 def test_search_space_files():
     default = SearchSpace.from_file()
     assert DEFAULT_SPACE.is_file() and {"layers_to_remove", "criterion", "lora_rank", "heal_lr", "per_step",

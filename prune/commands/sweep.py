@@ -189,6 +189,11 @@ def print_summary(summary: dict) -> None:
         table.add_row(str(row["number"]), _fmt(row["eval_retention"], 4), _fmt(row["eval_tau"], 3),
                       _fmt(row["predicted_speedup"], 2), str(row["layers"]), str(row["layers_removed"]), where)
     stdout_console().print(table)
+    front = summary.get("tradeoff_front")
+    if front:
+        listed = ", ".join(f"trial {row['number']} (retention {_fmt(row['eval_retention'], 4)}, cost {_fmt(row['cost'], 2)})"
+                           for row in front)
+        stdout_console().print(f"trade-off front (eval retention vs cost, from trial attributes): {listed}")
 
 
 def _fmt(value, digits: int) -> str:
