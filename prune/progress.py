@@ -12,7 +12,8 @@ def progress_bar(description: str, total: int, enabled: bool = True, log_every_s
     """Yield an `advance(n=1)` callable that reports progress on stderr when `enabled`.
 
     On a terminal it draws a bar; otherwise it writes `description: done/total (elapsed, ETA)` lines, at
-    most one per `log_every_s` seconds plus one at the end, so a long job's log shows it is alive.
+    most one per `log_every_s` seconds and, once one was written, one at the end: a long job's log shows
+    it is alive, a short one stays quiet.
     """
     if not enabled:
         yield lambda n=1: None
@@ -31,14 +32,14 @@ def progress_bar(description: str, total: int, enabled: bool = True, log_every_s
 
 def _line_reporter(description: str, total: int, every_s: float):
     start = last = time.monotonic()
-    done = 0
+    done, written = 0, False
 
     def advance(n: int = 1) -> None:
-        nonlocal done, last
+        nonlocal done, last, written
         done += n
         now = time.monotonic()
-        if now - last >= every_s or done >= total:
-            last = now
+        if now - last >= every_s or (written and done >= total):
+            last, written = now, True
             elapsed = now - start
             eta = elapsed / done * (total - done) if done else 0.0
             print(f"{description}: {done}/{total} ({_clock(elapsed)} elapsed, {_clock(eta)} left)", file=sys.stderr,
