@@ -54,7 +54,8 @@ def _heatmap(out: Path, state: dict) -> Path | None:
     import numpy as np
 
     plt = _pyplot()
-    width = state["timing"]["layers"]
+    # Columns are original indices; a campaign that starts from a pruned drafter has gaps and larger ones.
+    width = max(s["original_layer"] for h in state["history"] for s in h["scores"]) + 1
     grid = np.full((len(state["history"]), width), np.nan)
     for row, h in enumerate(state["history"]):
         for s in h["scores"]:

@@ -88,6 +88,21 @@ def test_run_exports_steps_and_a_resumed_run_ends_identically(campaign, tmp_path
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_campaign_continues_from_an_exported_step(campaign, tmp_path):
+    """A pruned step is itself a drafter: pruning it again reports original indices and still plots."""
+    from models.drafter import load_drafter
+
+    target, _, _, prompts, decode, trajectories, examples = campaign
+    first = run(campaign, tmp_path / "first", config_of(decode, layers_to_remove=1))
+    step = tmp_path / "first" / "step-01"
+    kept = json.loads((step / "config.json").read_text())["original_layer_indices"]
+    second = run_pruning(load_drafter(step), step, prompts, tmp_path / "second", config_of(decode, layers_to_remove=1),
+                         target=target, trajectories=trajectories, heal_examples=examples, log=lambda *_: None)
+    assert second["history"][0]["removed_original"][0] in kept
+    assert first["history"][0]["removed_original"][0] not in kept
+    assert (tmp_path / "second" / "layer_scores.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_a_heal_that_hurts_is_rolled_back(campaign, tmp_path):
     decode = campaign[4]
     ruinous = HealConfig(steps=4, rank=8, alpha=512, batch_size=2, lr=0.5)
