@@ -11,7 +11,7 @@ by layer count (small drafters are bound by per-layer cost), so decisions never 
 a later step and a resumed run decides exactly as an uninterrupted one.
 """
 
-import contextlib
+import functools
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -24,10 +24,12 @@ from models.surgery import remove_layers
 
 from .export import export_step
 from .heal import HealConfig, heal
+from .progress import progress_bar
 from .report import write_report
 from .scoring import Evaluation, ScoreConfig, evaluate, pass_times_ms, score_layers, target_times_ms
 
 STATE_NAME = "state.json"
+_silent = functools.partial(progress_bar, enabled=False)
 
 
 @dataclass
@@ -137,7 +139,7 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
         if k < 1:
             state["stopped_by"] = "one layer left"
             break
-        with (progress or _no_progress)(f"step {len(state['history']) + 1}: scoring", layers) as advance:
+        with (progress or _silent)(f"step {len(state['history']) + 1}: scoring", layers) as advance:
             scores = score_layers(current, prompts, config.score, target=target, trajectories=trajectories,
                                   on_layer=lambda *_: advance())
         chosen = sorted(s.layer for s in scores.ranking()[:k])
@@ -203,10 +205,6 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
     _link_final(out, state)
     write_report(out, state)
     return state
-
-
-def _no_progress(description: str, total: int):
-    return contextlib.nullcontext(lambda n=1: None)
 
 
 def config_record(config: RunConfig) -> dict:
