@@ -164,7 +164,8 @@ def test_a_killed_workers_trial_is_failed_and_retried(sweep_data, tmp_path):
             running = optuna.load_study(study_name="s", storage=storage).get_trials(states=(TrialState.RUNNING,))
         except KeyError:  # the study is not created yet
             running = []
-        if running and running[0].params:
+        # Parameters are stored one at a time: wait until the hanging trial has drawn all of them.
+        if running and set(running[0].params) == set(SearchSpace.from_text(SPACE).params):
             break
         time.sleep(0.1)
     os.kill(doomed.pid, signal.SIGKILL)
