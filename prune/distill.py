@@ -4,7 +4,14 @@ Prompts come from real text that no evaluation suite uses: functions, docstrings
 CPython standard library on this machine (code completion, explanation, tests, review, continuation,
 instruction-following on documentation), plus a small share of synthetic arithmetic word problems.
 None come from HumanEval, MT-Bench or CHAMP; when those suites load, any prompt that contains one of
-their prompts is dropped as well. Selection is a pure function of (stdlib contents, number, seed).
+their prompts is dropped as well. Selection is a pure function of (stdlib contents, number, seed, style).
+
+Two styles. `general` (above) teaches the drafter the target's voice on varied tasks. `suites` asks in
+the exact wording of the suites' instructions, on material of our own: "Complete the following Python
+function" around a standard-library function's signature and docstring (HumanEval's shape), and "Solve the
+following problem..." around synthetic competition problems in CHAMP's plain-text style (counting,
+number theory, sequences, polynomials, inequalities, probability). The suites' instruction wording is what
+the target's answers follow, so this data closes most of the gap between held-out and suite acceptance.
 
 Responses are the target's greedy continuations of the chat-templated prompt (templated exactly as the
 decoders do it, through `decode.prompts.tokenize_records`), batched with left padding, cut after the
@@ -122,34 +129,121 @@ def _math_prompt(rng: random.Random, index: int) -> dict:
     return {"id": f"math:{index}:{kind}", "source": "synthetic/math", "prompt": texts[kind]}
 
 
+def _signature_prompts(path: Path, root: Path, rng: random.Random, limit: int) -> list[dict]:
+    """Up to `limit` HumanEval-shaped prompts: a module-level function's signature and docstring."""
+    from decode.suites import HUMANEVAL_INSTRUCTION
+
+    try:
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source)
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return []
+    lines = source.splitlines()
+    module = str(path.relative_to(root).with_suffix("")).replace(os.sep, ".")
+    functions = [node for node in tree.body if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")
+                 and len(ast.get_docstring(node) or "") >= 40 and node.end_lineno > node.body[0].end_lineno]
+    rng.shuffle(functions)
+    prompts = []
+    for node in functions[:limit]:
+        head = "\n".join(lines[node.lineno - 1 : node.body[0].end_lineno]) + "\n"
+        if len(head) <= MAX_SNIPPET_CHARS:
+            prompts.append({"id": f"{module}:{node.lineno}:signature", "source": "stdlib/signature",
+                            "prompt": HUMANEVAL_INSTRUCTION.format(prompt=head)})
+    return prompts
+
+
+COMPETITION_PROBLEMS = (
+    "How many positive integers less than {N} are divisible by {a} or {b}?",
+    "Find the remainder when {a}^{n} is divided by {m}.",
+    "Find the last two digits of {a}^{n}.",
+    "How many positive divisors does {N} have?",
+    "Find the smallest positive integer x such that {a}x leaves a remainder of {r} when divided by {p}.",
+    "In how many ways can {n} people sit around a round table, if two seatings are the same when one is a "
+    "rotation of the other?",
+    "In how many ways can we choose {k} objects from {n} distinct objects so that two given objects are not "
+    "both chosen?",
+    "How many strings of length {n} made of the letters A and B contain no two consecutive A's?",
+    "A bag holds {a} red balls and {b} blue balls. Two balls are drawn without replacement. What is the "
+    "probability that they have the same color?",
+    "How many ways are there to walk from (0, 0) to ({a}, {k}) using unit steps right or up?",
+    "A fair die is rolled {k} times. What is the probability that the sum is even?",
+    "The sequence a_1, a_2, ... satisfies a_1 = {a} and a_(n+1) = {k} a_n - {r}. Find a_{n}.",
+    "The sequence a_n satisfies a_1 = 1, a_2 = {k}, and a_(n+2) = a_(n+1) + a_n. Find a_{n}.",
+    "Find the sum of all positive integers n less than {N} such that n^2 + {a} is divisible by {p}.",
+    "Let P(x) be a polynomial with P({a}) = {b} and P({k}) = {c}. What is the remainder when P(x) is divided "
+    "by (x - {a})(x - {k})?",
+    "Find all real numbers x such that x^2 - {s}x + {q} = 0, and the sum of their cubes.",
+    "The roots of x^3 - {s}x^2 + {q}x - {r} = 0 are u, v and w. Find u^2 + v^2 + w^2.",
+    "For positive reals x and y with x + y = {s}, what is the maximum of xy^{k}?",
+    "For positive reals a, b, c with a + b + c = {s}, find the minimum of 1/a + 1/b + 1/c.",
+    "Prove that for every positive integer n, n^{p} - n is divisible by {p}.",
+    "Prove that the product of any {k} consecutive integers is divisible by {k}!.",
+    "Prove that among any {n} integers there are two whose difference is divisible by {m}.",
+    "Prove that for all positive reals x and y, x^{k} + y^{k} >= x^{j} y + x y^{j}.",
+    "Find all integer solutions (x, y) of x^2 - y^2 = {N}.",
+    "How many {k}-digit positive integers have digits that sum to {r}?",
+    "A {a} x {b} grid of unit squares is given. How many rectangles are formed by its lines?",
+    "What is the coefficient of x^{k} in the expansion of (1 + {a}x)^{n}?",
+    "Find the greatest common divisor of {a}n + {b} and {k}n + {r} over all positive integers n, and the n "
+    "where it is largest.",
+)
+SMALL_PRIMES = (3, 5, 7, 11, 13)
+
+
+def _competition_prompt(rng: random.Random, index: int) -> dict:
+    """A CHAMP-shaped prompt: a synthetic competition problem under the suite's instruction."""
+    from decode.suites import CHAMP_INSTRUCTION
+
+    kind = rng.randrange(len(COMPETITION_PROBLEMS))
+    k = rng.randint(2, 6)
+    values = dict(N=rng.randint(50, 2000), a=rng.randint(2, 19), b=rng.randint(2, 23), c=rng.randint(1, 99),
+                  n=rng.randint(5, 30), m=rng.randint(3, 12), r=rng.randint(1, 9), p=rng.choice(SMALL_PRIMES),
+                  k=k, j=k - 1, s=rng.randint(3, 20), q=rng.randint(1, 30))
+    text = COMPETITION_PROBLEMS[kind].format(**values)
+    return {"id": f"competition:{index}:{kind}", "source": "synthetic/competition",
+            "prompt": CHAMP_INSTRUCTION.format(text=text)}
+
+
+STYLES = ("general", "suites")
+
+
 def collect_training_prompts(
-    num_prompts: int, seed: int = 0, stdlib_dir: str | os.PathLike | None = None, math_share: float = 0.1
+    num_prompts: int, seed: int = 0, stdlib_dir: str | os.PathLike | None = None, math_share: float = 0.1,
+    style: str = "general",
 ) -> list[dict]:
-    """`num_prompts` distinct prompt records `{id, source, prompt}`, deterministic for (stdlib, seed).
+    """`num_prompts` distinct prompt records `{id, source, prompt}`, deterministic for (stdlib, seed, style).
 
     Reads only as many files as needed: files are visited in a seeded order, a few prompts each, and the
-    pass repeats with more prompts per file when the library is exhausted.
+    pass repeats with more prompts per file when the library is exhausted. `style="suites"` draws half
+    competition problems and half function signatures (see the module docstring); `math_share` is then unused.
     """
-    from models.errors import DataError
+    from models.errors import ConfigError, DataError
 
+    if style not in STYLES:
+        raise ConfigError(f"unknown prompt style {style!r}; choose one of {', '.join(STYLES)} (--style)")
     root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"]).resolve()
     files = stdlib_files(root)
     if not files:
         raise DataError(f"no Python source files under {root}; pass the standard library folder")
     rng = random.Random(seed)
     rng.shuffle(files)
-    num_math = int(round(num_prompts * math_share))
+    num_math = int(round(num_prompts * (0.5 if style == "suites" else math_share)))
+    make_math, from_file = (_competition_prompt, _signature_prompts) if style == "suites" else (_math_prompt, _file_prompts)
     prompts, seen = [], set()
-    for index in range(num_math):
-        record = _math_prompt(rng, index)
+    # Templated problems repeat now and then; "suites" draws until enough are distinct ("general" keeps its
+    # original fixed number of draws, so data folders made before the styles existed stay valid).
+    for index in range(num_math * (4 if style == "suites" else 1)):
+        record = make_math(rng, index)
         if record["prompt"] not in seen:
             seen.add(record["prompt"])
             prompts.append(record)
+        if len(prompts) == num_math:
+            break
     per_file, visited = 2, 0
     while len(prompts) < num_prompts:
         for path in files:
             file_rng = random.Random(f"{seed}:{per_file}:{path.relative_to(root)}")
-            for record in _file_prompts(path, root, file_rng, per_file):
+            for record in from_file(path, root, file_rng, per_file):
                 if record["prompt"] not in seen and len(prompts) < num_prompts:
                     seen.add(record["prompt"])
                     prompts.append(record)
@@ -217,6 +311,7 @@ def generate_distillation_data(
     shard_size: int = 256,
     progress: bool = True,
     stdlib_dir: str | os.PathLike | None = None,
+    style: str = "general",
 ) -> Path:
     """Generate (or finish) a distillation data folder; returns `out_dir`.
 
@@ -224,7 +319,8 @@ def generate_distillation_data(
         target_dir: a target model folder with tokenizer files (e.g. `models.demo.resolve_demo_target()`).
         num_prompts: training prompts; max_new_tokens: response cap (responses stop earlier at EOS).
         batch_size: prompts per `generate` call; device, dtype ("float32" / "bfloat16"): where it runs.
-        seed: selects the prompts. shard_size: prompts per shard file (the unit of resumption).
+        seed, style: select the prompts (see `collect_training_prompts`).
+        shard_size: prompts per shard file (the unit of resumption).
     """
     import torch
 
@@ -247,7 +343,7 @@ def generate_distillation_data(
     eval_texts = evaluation_prompts()
     asked = num_prompts
     while True:  # ask for more when the evaluation filter dropped some (it almost never does)
-        prompts = collect_training_prompts(asked, seed, stdlib_dir)
+        prompts = collect_training_prompts(asked, seed, stdlib_dir, style=style)
         kept = drop_evaluation_overlap(prompts, eval_texts) if eval_texts is not None else prompts
         if len(kept) >= num_prompts:
             break
@@ -261,13 +357,14 @@ def generate_distillation_data(
         "max_new_tokens": max_new_tokens,
         "dtype": dtype,
         "seed": seed,
+        "style": style,
         "shard_size": shard_size,
         "prompts_sha256": _digest([p["prompt"] for p in prompts]),
     }
     manifest = out_dir / MANIFEST
     if manifest.is_file():
         old = json.loads(manifest.read_text())
-        changed = sorted(k for k in settings if old.get(k) != settings[k])
+        changed = sorted(k for k in settings if old.get(k, "general" if k == "style" else None) != settings[k])
         if changed:
             raise CheckpointError(f"{out_dir} holds distillation data made with other settings ({', '.join(changed)});"
                                   " rerun with the same settings to finish it, or choose another output folder")

@@ -1,5 +1,6 @@
 """The `prune` CLI: help, JSON output, exit codes and one-line errors for bad input."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -231,6 +232,34 @@ def test_train_drafter_command_from_an_initial_drafter(tmp_path, capsys):
     assert load_drafter(tmp_path / "trained").config.num_hidden_layers == 2
     capsys.readouterr()
     assert "not empty" in error_of(capsys, args)
+
+
+def test_train_drafter_weights_several_data_folders_and_never_trains_on_held_out_ones(tmp_path, capsys):
+    from models.errors import ConfigError, DataError
+    from prune.train_drafter import data_weights, split_examples
+
+    folders = []
+    for name, count, target in (("a", 6, "t1"), ("b", 4, "t1"), ("c", 3, "t2")):
+        folder = tmp_path / name
+        folder.mkdir()
+        records = [{"id": f"{name}{i}", "prompt_ids": [1, 2], "response_ids": [len(folders) * 10 + i, 5]}
+                   for i in range(count)]
+        (folder / "shard-00000.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+        (folder / "manifest.json").write_text(json.dumps({"shards": 1, "target_weights_sha256": target}))
+        folders.append(folder)
+    heldout, training = split_examples(folders[:2], [1, 3], eval_size=3, seed=0)
+    key = lambda ex: tuple(ex.input_ids.tolist())  # noqa: E731
+    held = {key(ex) for ex in heldout}
+    assert len(held) == 3 and not held & {key(ex) for ex in training}
+    counts = {}
+    for ex in training:
+        counts[key(ex)] = counts.get(key(ex), 0) + 1
+    assert sorted(counts.values()) == sorted(1 if k[2] < 10 else 3 for k in counts) and len(counts) == 7
+    assert [key(ex) for ex in split_examples(folders[:2], [1, 3], eval_size=3, seed=0)[0]] == [key(ex) for ex in heldout]
+    with pytest.raises(DataError, match="different targets"):
+        split_examples(folders[1:], [1, 1], eval_size=1, seed=0)
+    with pytest.raises(ConfigError, match="one integer >= 1 per --data folder"):
+        data_weights(argparse.Namespace(data=["a", "b"], data_weights=[2]))
 
 
 def test_heal_data_defaults_to_the_shipped_demo_data_and_accepts_an_unfinished_folder(tmp_path, capsys):

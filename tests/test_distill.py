@@ -1,5 +1,6 @@
 """Distillation data: prompts disjoint from evaluation, deterministic, and resumable generation."""
 
+import ast
 import json
 import os
 
@@ -41,7 +42,7 @@ def test_no_evaluation_prompt_in_training_prompts():
     except D3DError as exc:
         pytest.skip(f"evaluation suites cannot be loaded here ({exc})")
     assert len(eval_texts) > 400
-    prompts = [p["prompt"] for p in collect_training_prompts(600, seed=0)]
+    prompts = [p["prompt"] for style in ("general", "suites") for p in collect_training_prompts(600, seed=0, style=style)]
     leaks = [(e[:60], p[:60]) for e in eval_texts for p in prompts if e in p]
     assert not leaks
 
@@ -60,6 +61,30 @@ def test_prompt_selection_is_deterministic():
     assert first != collect_training_prompts(40, seed=4)
     assert len({p["prompt"] for p in first}) == 40
     assert {"synthetic/math"} < {p["source"] for p in first}
+
+
+def test_suite_style_prompts_use_the_suites_instructions_on_material_of_their_own():
+    from decode.suites import CHAMP_INSTRUCTION, HUMANEVAL_INSTRUCTION
+    from models.errors import ConfigError
+
+    prompts = collect_training_prompts(60, seed=0, style="suites")
+    assert prompts == collect_training_prompts(60, seed=0, style="suites")
+    by_source = {}
+    for p in prompts:
+        by_source.setdefault(p["source"], []).append(p["prompt"])
+    assert {k: len(v) for k, v in by_source.items()} == {"stdlib/signature": 30, "synthetic/competition": 30}
+    head, tail = HUMANEVAL_INSTRUCTION.split("{prompt}")
+    for text in by_source["stdlib/signature"]:  # a signature and its docstring, nothing of the body
+        code = text[len(head) : -len(tail)]
+        assert text.startswith(head) and text.endswith(tail) and code.startswith("def ")
+        function = ast.parse(code + "    ...\n").body[0]
+        assert ast.get_docstring(function) and len(function.body) == 2
+    champ_head = CHAMP_INSTRUCTION.split("{text}")[0]
+    assert all(t.startswith(champ_head) and len(t) > len(champ_head) + 20 for t in by_source["synthetic/competition"])
+    # The general style is unchanged by the new one (data folders made before it stay valid).
+    assert collect_training_prompts(40, seed=3) == collect_training_prompts(40, seed=3, style="general")
+    with pytest.raises(ConfigError, match="--style"):
+        collect_training_prompts(4, style="chatty")
 
 
 def make_tiny_target(folder):

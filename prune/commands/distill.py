@@ -1,5 +1,7 @@
 """`prune distill`: the target's own greedy responses to training prompts, stored as token ids."""
 
+from prune.distill import STYLES
+
 from ._common import DTYPES, add_command, add_debug
 
 
@@ -9,7 +11,7 @@ def add_parser(subparsers) -> None:
         "distill",
         help="generate distillation data: the target's greedy responses to training prompts",
         description="Generate self-distillation data for drafter training: prompts cut from the CPython "
-        "standard library and synthetic arithmetic (never an evaluation prompt of the built-in suites), "
+        "standard library and synthetic math problems (never a prompt of the built-in suites), "
         "answered greedily by the target through its chat template. Written in shards; rerunning the same "
         "command resumes after the last finished shard.\n\nexample:\n  prune distill --out data/distill "
         "--num-prompts 2000 --dtype bfloat16",
@@ -24,6 +26,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--device", default="cpu", help="torch device")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="target dtype while generating")
     parser.add_argument("--seed", type=int, default=0, help="selects the prompts")
+    parser.add_argument("--style", choices=STYLES, default="general",
+                        help="general: varied tasks on standard-library code and arithmetic; suites: the suites' own "
+                        "instructions around standard-library function signatures and synthetic competition problems")
     add_debug(parser)
     parser.set_defaults(run=run)
 
@@ -41,7 +46,7 @@ def run(args) -> int:
     out = generate_distillation_data(
         target, args.out, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, device=args.device, dtype=args.dtype, seed=args.seed,
-        shard_size=args.shard_size, progress=sys.stderr.isatty(),
+        shard_size=args.shard_size, progress=sys.stderr.isatty(), style=args.style,
     )
     print(out)
     return 0
