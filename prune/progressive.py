@@ -82,8 +82,22 @@ def predicted_speedup_at(evaluation, layers: int, timing: dict) -> float | None:
     return evaluation.tau * timing["ar_ms"] / round_ms
 
 
+def measure_timing(drafter, score: ScoreConfig, target=None) -> dict:
+    """Pass times (ms) of the unpruned `drafter` and of the target, the basis of every predicted speedup.
+
+    Returns `{"layers", "draft_ms", "packed_ms", "verify_ms", "ar_ms"}` (target times None without a target).
+    """
+    draft_ms, packed_ms = pass_times_ms(drafter, score)
+    verify_ms = ar_ms = None
+    if target is not None:
+        verify_ms, ar_ms = target_times_ms(target, drafter.config.block_size, score.timing_repeats)
+    return {"layers": drafter.config.num_hidden_layers, "draft_ms": draft_ms, "packed_ms": packed_ms,
+            "verify_ms": verify_ms, "ar_ms": ar_ms}
+
+
 def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=None, trajectories=None,
-                heal_examples=None, resume: bool = False, log=print, on_step=None, progress=None) -> dict:
+                heal_examples=None, resume: bool = False, log=print, on_step=None, progress=None,
+                timing: dict | None = None) -> dict:
     """Run (or resume) a pruning campaign into folder `out`; returns the final state.
 
     Args:
@@ -97,6 +111,8 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
             tracking (W&B).
         progress: optional factory(description, total) of a context manager yielding `advance()`, called
             once per scored layer (e.g. `prune.progress.progress_bar`).
+        timing: `measure_timing` of this drafter, measured once by the caller (sweeps share one per study so
+            that trials compare tau, not timing noise); None measures it here.
     """
     out = Path(out)
     state_file = out / STATE_NAME
@@ -114,12 +130,10 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
         config.validate(drafter.config.num_hidden_layers)
         state = {"config": config_record(config), "source": str(source_dir), "history": [], "stopped_by": None}
         base = evaluate(drafter, prompts, config.score, trajectories, target)
-        draft_ms, packed_ms = pass_times_ms(drafter, config.score)
-        verify_ms = ar_ms = None
-        if target is not None:
-            verify_ms, ar_ms = target_times_ms(target, drafter.config.block_size, config.score.timing_repeats)
-        state["timing"] = {"layers": drafter.config.num_hidden_layers, "draft_ms": draft_ms, "packed_ms": packed_ms,
-                           "verify_ms": verify_ms, "ar_ms": ar_ms}
+        if timing is not None and timing["layers"] != drafter.config.num_hidden_layers:
+            raise ConfigError(f"the given timing is of a {timing['layers']}-layer drafter, this one has "
+                              f"{drafter.config.num_hidden_layers}; measure it with measure_timing(drafter, ...)")
+        state["timing"] = dict(timing) if timing is not None else measure_timing(drafter, config.score, target)
         state["base"] = {"tau": base.tau, "fallback_rate": base.fallback_rate,
                          "predicted_speedup": predicted_speedup_at(base, drafter.config.num_hidden_layers,
                                                                    state["timing"])}

@@ -151,6 +151,39 @@ class PruningObjective:
         self.tracker_factory = tracker_factory
         self._base_eval = None
 
+    def study_timing(self, trial, score, wait_s: float = 600.0) -> dict:
+        """The unpruned drafter's pass times for `score`'s packed budget, measured once per study.
+
+        The first trial to need them stores them in the study's user attributes; every later trial, in any
+        worker, reads them back, so trials differ by what they pruned, not by the machine's load while each
+        measured. A trial that finds none waits while an earlier-numbered trial is still running (it is
+        measuring them), at most `wait_s` seconds, so that two workers starting together agree.
+        """
+        import time
+
+        import optuna
+
+        from prune.progressive import measure_timing
+
+        from .study import quiet_optuna
+
+        key = f"timing/packed_budget={score.decode.packed_budget}"
+        deadline = time.monotonic() + wait_s
+        study = trial.study
+        while True:
+            stored = study.user_attrs.get(key)
+            if stored is not None:
+                return stored
+            with quiet_optuna():
+                optuna.storages.fail_stale_trials(study)  # a dead worker's trial stops counting as running
+            earlier = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+            if not any(t.number < trial.number for t in earlier) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        stored = measure_timing(self.data.drafter, score, self.data.target)
+        study.set_user_attr(key, stored)
+        return stored
+
     def base_evaluation(self):
         """The unpruned drafter on the evaluation prompts (measured once per worker)."""
         from prune.scoring import evaluate
@@ -202,7 +235,8 @@ class PruningObjective:
             state = run_pruning(self.data.drafter, self.data.drafter_dir, prompts, out, run_config,
                                 target=self.data.target, trajectories=trajectories,
                                 heal_examples=self.data.heal_examples if run_config.heal.steps else None,
-                                log=lambda message: self.log(f"trial {trial.number}: {message}"), on_step=on_step)
+                                log=lambda message: self.log(f"trial {trial.number}: {message}"), on_step=on_step,
+                                timing=self.study_timing(trial, run_config.score))
             metrics = self.measure(state, out)
         except BaseException:
             if tracker is not None:

@@ -38,7 +38,7 @@ META_KEY = "d3d_prune"  # study user attribute: the mode and search space the st
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet_optuna():
     """Silence Optuna's experimental-feature warnings for the features used on purpose here."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -83,7 +83,7 @@ def make_storage(url: str, heartbeat: int | None = 30, grace: int | None = None,
     heartbeat = heartbeat or None
     for attempt in range(attempts):
         try:
-            with _quiet():
+            with quiet_optuna():
                 return RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat,
                                   grace_period=(grace or 3 * heartbeat) if heartbeat else None,
                                   heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
@@ -147,7 +147,7 @@ def open_study(name: str, storage, directions, meta: dict, seed: int = 0, pruner
     chosen = (optuna.pruners.NopPruner() if pruner == "none" or multi
               else optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=0))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    with _quiet():
+    with quiet_optuna():
         study = optuna.create_study(study_name=name, storage=storage, directions=list(directions),
                                     sampler=TrialSeededSampler(seed), pruner=chosen, load_if_exists=True)
     wanted = [optuna.study.StudyDirection.MAXIMIZE if d == "maximize" else optuna.study.StudyDirection.MINIMIZE
@@ -158,7 +158,7 @@ def open_study(name: str, storage, directions, meta: dict, seed: int = 0, pruner
     stored = study.user_attrs.get(META_KEY)
     if stored is None:
         study.set_user_attr(META_KEY, meta)
-        with _quiet():
+        with quiet_optuna():
             study.set_metric_names(list(meta["objectives"]))
     elif stored != meta:
         changed = sorted(k for k in set(stored) | set(meta) if stored.get(k) != meta.get(k))
@@ -221,7 +221,7 @@ def run_worker(study, storage, objective, n_trials: int | None, timeout: float |
     heartbeats = bool(getattr(storage, "get_heartbeat_interval", lambda: None)())
     deadline = None if timeout is None else time.monotonic() + timeout
     while deadline is None or time.monotonic() < deadline:
-        with _quiet():
+        with quiet_optuna():
             optuna.storages.fail_stale_trials(study)  # a dead worker's trial -> FAIL -> a WAITING retry
         counts = state_counts(study)
         done = counts["COMPLETE"] + counts["PRUNED"]
@@ -233,7 +233,7 @@ def run_worker(study, storage, objective, n_trials: int | None, timeout: float |
                         "has no heartbeats, so this worker does not wait for them")
             time.sleep(poll)
             continue
-        with _quiet():
+        with quiet_optuna():
             trial = study.ask()
         if _ahead(study, trial.number) >= budget:
             trial.set_user_attr(OVER_BUDGET, True)

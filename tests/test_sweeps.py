@@ -7,6 +7,7 @@ import os
 import signal
 import time
 import uuid
+from pathlib import Path
 
 import optuna
 import pytest
@@ -125,6 +126,10 @@ def check_exact_budget(study, n_trials):
     for t in finished:  # every trial's checkpoint is findable from the study
         assert os.path.isdir(t.user_attrs["checkpoint"]) and t.user_attrs["eval_retention"] > 0
     assert len({t.user_attrs["worker"] for t in finished}) == 2  # both workers took part
+    # Every trial predicted its speedup from the one timing stored with the study.
+    stored = [v for k, v in study.user_attrs.items() if k.startswith("timing/")]
+    timings = [json.loads((Path(t.user_attrs["trial_dir"]) / "state.json").read_text())["timing"] for t in finished]
+    assert len(stored) == 1 and all(timing == stored[0] for timing in timings)
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "journal"])
@@ -321,3 +326,15 @@ def test_sweep_cli_errors(pair_dirs, tmp_path, capsys):
     args[args.index("--space") + 1] = str(bad)
     assert "unknown setting 'depth'" in error_of(capsys, args)
     assert "neither a URL" in error_of(capsys, sweep_args(pair_dirs, out, "--n-trials", "1", "--storage", "x.txt"))
+
+
+def test_trials_share_one_timing_and_wait_while_an_earlier_trial_measures_it(sweep_data, tmp_path):
+    objective = objective_for(tmp_path / "out")
+    study = optuna.create_study(storage=make_storage(f"sqlite:///{tmp_path}/study.db", None))
+    first, second = study.ask(), study.ask()
+    score = objective.config.score
+    start = time.monotonic()
+    timing = objective.study_timing(second, score, wait_s=1.0)  # trial 0 runs without timing: wait, then measure
+    assert time.monotonic() - start >= 1.0
+    assert timing["layers"] == 3 and study.user_attrs == {f"timing/packed_budget={score.decode.packed_budget}": timing}
+    assert objective.study_timing(first, score) == timing  # read back, not measured again
