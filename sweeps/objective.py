@@ -18,6 +18,10 @@ between trials with different per-step k), and the pruner (median by default) ma
 then ends after that step (OUT/final and the report are written) and the trial is PRUNED. Optuna's
 pruners handle single-objective studies only, so multi-objective trials are never pruned.
 
+Predicted speedups and packed-pass costs scale one timing of the unpruned drafter and the target,
+measured by the study's first trial and stored in the study's user attributes (`timing/packed_budget=N`):
+trials compare what they pruned, not how busy the machine was while each one measured.
+
 Each trial's user attributes hold where its checkpoint is and what it measured (TRIAL_ATTRS).
 """
 
