@@ -53,7 +53,7 @@ def _key(item) -> str:
 
 def summarize_run(path) -> dict:
     """The run's identity, config, history rows, summary and artifacts from its .wandb log."""
-    run, config, history, summary, artifacts = None, {}, [], {}, []
+    run, config, history, summary, artifacts, exit_ = None, {}, [], {}, [], None
     for record in read_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "run":
@@ -67,4 +67,7 @@ def summarize_run(path) -> dict:
             summary.update({_key(i): json.loads(i.value_json) for i in record.summary.update})
         elif kind == "artifact":
             artifacts.append(record.artifact)
-    return {"run": run, "config": config, "history": history, "summary": summary, "artifacts": artifacts}
+        elif kind == "exit":
+            exit_ = record.exit
+    return {"run": run, "config": config, "history": history, "summary": summary, "artifacts": artifacts,
+            "exit": exit_}

@@ -3,6 +3,7 @@ a run; the mode follows WANDB_MODE and credentials; the saved dashboard's panels
 
 import json
 import sys
+import time
 
 import pytest
 
@@ -44,10 +45,18 @@ def run_args(root, out, *extra):
             "--lora-rank", "2", "--lora-alpha", "4", *extra]
 
 
-def offline_run(folder):
+def offline_run(folder, wait_s: float = 20.0):
+    """The one offline run log under `folder` and its contents, once its writer has recorded the run."""
     logs = list(folder.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(logs) == 1, logs
-    return logs[0], summarize_run(logs[0])
+    # W&B's writer is a separate process; on a loaded machine its last records can land after finish()
+    # returns (a CI run once read a log without its run record): read again until the run is complete.
+    deadline = time.monotonic() + wait_s
+    while True:
+        run = summarize_run(logs[0])
+        if (run["run"] is not None and run["exit"] is not None) or time.monotonic() > deadline:
+            return logs[0], run
+        time.sleep(0.2)
 
 
 def test_prune_run_writes_an_offline_run_with_the_documented_metrics(pair_dirs, tmp_path, capsys):
