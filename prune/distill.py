@@ -11,7 +11,8 @@ the exact wording of the suites' instructions, on material of our own: "Complete
 function" around a standard-library function's signature and docstring (HumanEval's shape), and "Solve the
 following problem..." around synthetic competition problems in CHAMP's plain-text style (counting,
 number theory, sequences, polynomials, inequalities, probability). The suites' instruction wording is what
-the target's answers follow, so this data closes most of the gap between held-out and suite acceptance.
+the target's answers follow: a drafter trained on general data alone accepted far less on the suites than
+on held-out general data (first slot 0.44 on humaneval vs 0.75), and this data narrows that gap.
 
 Responses are the target's greedy continuations of the chat-templated prompt (templated exactly as the
 decoders do it, through `decode.prompts.tokenize_records`), batched with left padding, cut after the
@@ -228,7 +229,8 @@ def collect_training_prompts(
     rng = random.Random(seed)
     rng.shuffle(files)
     num_math = int(round(num_prompts * (0.5 if style == "suites" else math_share)))
-    make_math, from_file = (_competition_prompt, _signature_prompts) if style == "suites" else (_math_prompt, _file_prompts)
+    make_math, from_file = ((_competition_prompt, _signature_prompts) if style == "suites"
+                            else (_math_prompt, _file_prompts))
     prompts, seen = [], set()
     # Templated problems repeat now and then; "suites" draws until enough are distinct ("general" keeps its
     # original fixed number of draws, so data folders made before the styles existed stay valid).

@@ -42,7 +42,8 @@ def test_no_evaluation_prompt_in_training_prompts():
     except D3DError as exc:
         pytest.skip(f"evaluation suites cannot be loaded here ({exc})")
     assert len(eval_texts) > 400
-    prompts = [p["prompt"] for style in ("general", "suites") for p in collect_training_prompts(600, seed=0, style=style)]
+    prompts = [p["prompt"] for style in ("general", "suites")
+               for p in collect_training_prompts(600, seed=0, style=style)]
     leaks = [(e[:60], p[:60]) for e in eval_texts for p in prompts if e in p]
     assert not leaks
 
