@@ -75,15 +75,22 @@ def _clip(lines: list[str]) -> str:
     return text[:MAX_SNIPPET_CHARS]
 
 
-def _file_prompts(path: Path, root: Path, rng: random.Random, limit: int) -> list[dict]:
-    """Up to `limit` prompts drawn from one source file."""
+def _parse_module(path: Path, root: Path):
+    """(syntax tree, source lines, dotted module name) of one source file, or None if it does not parse."""
     try:
         source = path.read_text(encoding="utf-8")
         tree = ast.parse(source)
     except (SyntaxError, UnicodeDecodeError, ValueError):
+        return None
+    return tree, source.splitlines(), str(path.relative_to(root).with_suffix("")).replace(os.sep, ".")
+
+
+def _file_prompts(path: Path, root: Path, rng: random.Random, limit: int) -> list[dict]:
+    """Up to `limit` prompts drawn from one source file."""
+    parsed = _parse_module(path, root)
+    if parsed is None:
         return []
-    lines = source.splitlines()
-    module = str(path.relative_to(root).with_suffix("")).replace(os.sep, ".")
+    tree, lines, module = parsed
     defs = [node for node in ast.walk(tree)
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
             and 4 <= node.end_lineno - node.lineno + 1 <= 80]
@@ -134,13 +141,10 @@ def _signature_prompts(path: Path, root: Path, rng: random.Random, limit: int) -
     """Up to `limit` HumanEval-shaped prompts: a module-level function's signature and docstring."""
     from decode.suites import HUMANEVAL_INSTRUCTION
 
-    try:
-        source = path.read_text(encoding="utf-8")
-        tree = ast.parse(source)
-    except (SyntaxError, UnicodeDecodeError, ValueError):
+    parsed = _parse_module(path, root)
+    if parsed is None:
         return []
-    lines = source.splitlines()
-    module = str(path.relative_to(root).with_suffix("")).replace(os.sep, ".")
+    tree, lines, module = parsed
     functions = [node for node in tree.body if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")
                  and len(ast.get_docstring(node) or "") >= 40 and node.end_lineno > node.body[0].end_lineno]
     rng.shuffle(functions)
