@@ -13,6 +13,10 @@ following problem..." around synthetic competition problems in CHAMP's plain-tex
 number theory, sequences, polynomials, inequalities, probability). The suites' instruction wording is what
 the target's answers follow: a drafter trained on general data alone accepted far less on the suites than
 on held-out general data (first slot 0.44 on humaneval vs 0.75), and this data narrows that gap.
+`calib` takes the prompts of the suites' calibration parts verbatim (HumanEval 82, CHAMP 135, MT-Bench 40
+first turns: what a user distilling on their own traffic does); it never takes a prompt of an evaluation
+part, so held-out tau stays held out. Pruning calibrates on these parts too: a drafter trained on them
+has a higher calibration tau than evaluation tau, and retention should be read on the evaluation parts.
 
 Responses are the target's greedy continuations of the chat-templated prompt (templated exactly as the
 decoders do it, through `decode.prompts.tokenize_records`), batched with left padding, cut after the
@@ -209,7 +213,21 @@ def _competition_prompt(rng: random.Random, index: int) -> dict:
             "prompt": CHAMP_INSTRUCTION.format(text=text)}
 
 
-STYLES = ("general", "suites")
+STYLES = ("general", "suites", "calib")
+
+
+def calibration_prompts(num_prompts: int, seed: int = 0) -> list[dict]:
+    """`num_prompts` prompt records of the suites' calibration parts, in a seeded order (style `calib`)."""
+    from decode.suites import SUITES, load_suite
+    from models.errors import ConfigError
+
+    records = [{"id": record["id"], "source": f"suite/{name}:calib", "prompt": record["prompt"]}
+               for name in SUITES for record in load_suite(f"{name}:calib")]
+    if num_prompts > len(records):
+        raise ConfigError(f"--style calib has {len(records)} prompts (the suites' calibration parts); "
+                          f"ask for --num-prompts {len(records)} or fewer")
+    random.Random(seed).shuffle(records)
+    return records[:num_prompts]
 
 
 def collect_training_prompts(
@@ -221,11 +239,14 @@ def collect_training_prompts(
     Reads only as many files as needed: files are visited in a seeded order, a few prompts each, and the
     pass repeats with more prompts per file when the library is exhausted. `style="suites"` draws half
     competition problems and half function signatures (see the module docstring); `math_share` is then unused.
+    `style="calib"` reads no library: see `calibration_prompts`.
     """
     from models.errors import ConfigError, DataError
 
     if style not in STYLES:
         raise ConfigError(f"unknown prompt style {style!r}; choose one of {', '.join(STYLES)} (--style)")
+    if style == "calib":
+        return calibration_prompts(num_prompts, seed)
     root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"]).resolve()
     files = stdlib_files(root)
     if not files:
@@ -264,8 +285,8 @@ def collect_training_prompts(
     return prompts
 
 
-def evaluation_prompts(strict: bool = False) -> list[str] | None:
-    """Every prompt text of the built-in suites (all turns).
+def evaluation_prompts(strict: bool = False, part: str | None = None) -> list[str] | None:
+    """Every prompt text of the built-in suites (all turns); with `part` ("eval"), of that part only.
 
     When the suites cannot be loaded (offline, first use), returns None after a warning on stderr, or
     raises with `strict`: the training prompts are disjoint by construction, the filter is a safeguard.
@@ -283,7 +304,7 @@ def evaluation_prompts(strict: bool = False) -> list[str] | None:
     texts = []
     for name in ("humaneval", "mtbench", "champ"):
         try:
-            records = load_suite(name)
+            records = load_suite(name if part is None else f"{name}:{part}")
         except D3DError as exc:
             if strict:
                 raise
@@ -346,7 +367,8 @@ def generate_distillation_data(
     if tokenizer is None:
         raise DataError(f"target {target_dir} has no tokenizer files; distillation needs the target's tokenizer")
 
-    eval_texts = evaluation_prompts()
+    # The calib style consists of suite prompts: it is checked against the evaluation parts only.
+    eval_texts = evaluation_prompts(strict=style == "calib", part="eval" if style == "calib" else None)
     asked = num_prompts
     while True:  # ask for more when the evaluation filter dropped some (it almost never does)
         prompts = collect_training_prompts(asked, seed, stdlib_dir, style=style)

@@ -48,6 +48,25 @@ def test_no_evaluation_prompt_in_training_prompts():
     assert not leaks
 
 
+def test_calib_style_is_the_suites_calibration_parts_and_no_evaluation_prompt():
+    from decode.suites import SUITES, load_suite
+    from models.errors import ConfigError, D3DError
+    from prune.distill import evaluation_prompts
+
+    try:
+        held_out = evaluation_prompts(strict=True, part="eval")
+    except D3DError as exc:
+        pytest.skip(f"evaluation suites cannot be loaded here ({exc})")
+    prompts = collect_training_prompts(257, seed=0, style="calib")
+    calib = {r["prompt"] for name in SUITES for r in load_suite(f"{name}:calib")}
+    assert {p["prompt"] for p in prompts} == calib and len(calib) == 82 + 135 + 40
+    assert not [p["id"] for p in prompts for e in held_out if e in p["prompt"]]
+    assert prompts == collect_training_prompts(257, seed=0, style="calib")
+    assert collect_training_prompts(10, seed=1, style="calib") != prompts[:10]
+    with pytest.raises(ConfigError, match="--num-prompts 257 or fewer"):
+        collect_training_prompts(258, style="calib")
+
+
 def test_overlap_filter_drops_prompts_that_contain_an_evaluation_prompt():
     from prune.distill import drop_evaluation_overlap
 
