@@ -3,8 +3,9 @@
 Prompts come from real text that no evaluation suite uses: functions, docstrings and code windows of the
 CPython standard library on this machine (code completion, explanation, tests, review, continuation,
 instruction-following on documentation), plus a small share of synthetic arithmetic word problems.
-None come from HumanEval, MT-Bench or CHAMP; when those suites load, any prompt that contains one of
-their prompts is dropped as well. Selection is a pure function of (stdlib contents, number, seed, style).
+In these styles none come from HumanEval, MT-Bench or CHAMP; when those suites load, any prompt that
+contains one of their prompts is dropped as well (the `calib` style below takes suite prompts on purpose,
+and only drops evaluation-part ones). Selection is a pure function of (stdlib contents, number, seed, style).
 
 Two styles. `general` (above) teaches the drafter the target's voice on varied tasks. `suites` asks in
 the exact wording of the suites' instructions, on material of our own: "Complete the following Python
