@@ -297,13 +297,13 @@ def evaluation_prompts(strict: bool = False, part: str | None = None) -> list[st
     from models.errors import D3DError
 
     try:
-        from decode.suites import load_suite
+        from decode.suites import SUITES, load_suite
     except ImportError:
         if strict:
             raise
         return None
     texts = []
-    for name in ("humaneval", "mtbench", "champ"):
+    for name in SUITES:
         try:
             records = load_suite(name if part is None else f"{name}:{part}")
         except D3DError as exc:
