@@ -232,6 +232,40 @@ def test_train_drafter_command_from_an_initial_drafter(tmp_path, capsys):
     assert load_drafter(tmp_path / "trained").config.num_hidden_layers == 2
     capsys.readouterr()
     assert "not empty" in error_of(capsys, args)
+    # --keep-best with --eval-data: the saved weights are those of the best evaluation, named in training.json.
+    best_args = [*args[:args.index("--out")], "--out", str(tmp_path / "best"), *args[args.index("--out") + 2:],
+                 "--keep-best", "--eval-data", str(data), "--eval-every", "1"]
+    assert main(best_args) == 0
+    provenance = json.loads((tmp_path / "best" / "training.json").read_text())
+    proxies = {r["step"]: r["eval_accept_proxy"] for r in provenance["history"] if "eval_accept_proxy" in r}
+    assert sorted(proxies) == [1, 2, 3] and provenance["train_sequences"] == 8
+    assert provenance["kept_best"] == {"step": max(proxies, key=proxies.get),
+                                       "eval_accept_proxy": max(proxies.values())}
+
+
+def test_train_drafter_keep_best_returns_the_weights_of_the_best_evaluation(tmp_path):
+    from models.objective import causal_lm
+    from prune.train_drafter import BestWeights
+
+    model = build_tiny_drafter(num_hidden_layers=1, block_size=4)
+    scores = {1: 0.5, 2: 2.0, 3: 1.0}  # the proxy peaks at step 2, then falls
+    weights = {}
+
+    def evaluate(step, m):
+        with torch.no_grad():
+            causal_lm(m).model.norm.weight.fill_(float(step))  # a visible mark of the step's weights
+        weights[step] = causal_lm(m).model.norm.weight.clone()
+        return {"eval_accept_proxy": scores[step]}
+
+    best = BestWeights(tmp_path / "ckpt", resuming=False)
+    recording = best.wrap(evaluate)
+    for step in scores:
+        assert recording(step, model) == {"eval_accept_proxy": scores[step]}
+    assert best.restore(model) == {"step": 2, "eval_accept_proxy": 2.0}
+    assert torch.equal(causal_lm(model).model.norm.weight, weights[2])
+    # A resumed run remembers the best so far; a fresh run in the same folder forgets it.
+    assert (BestWeights(tmp_path / "ckpt", resuming=True).step, BestWeights(tmp_path / "ckpt", True).score) == (2, 2.0)
+    assert BestWeights(tmp_path / "ckpt", resuming=False).restore(model) == {}
 
 
 def test_train_drafter_weights_several_data_folders_and_never_trains_on_held_out_ones(tmp_path, capsys):
@@ -257,6 +291,13 @@ def test_train_drafter_weights_several_data_folders_and_never_trains_on_held_out
     assert sorted(counts.values()) == sorted(1 if k[2] < 10 else 3 for k in counts) and len(counts) == 7
     again = split_examples(folders[:2], [1, 3], eval_size=3, seed=0)[0]
     assert [key(ex) for ex in again] == [key(ex) for ex in heldout]  # seeded
+    # --eval-data: held out from that folder alone, the same draw whatever --data holds; never trained on.
+    heldout, training = split_examples(folders[:2], [1, 3], eval_size=2, seed=0, eval_folder=folders[1])
+    held = {key(ex) for ex in heldout}
+    assert len(held) == 2 and all(k[2] >= 10 for k in held) and not held & {key(ex) for ex in training}
+    assert len(training) == 6 + 3 * 2
+    assert [key(ex) for ex in split_examples(folders[:1], [1], 2, 0, eval_folder=folders[1])[0]] == \
+        [key(ex) for ex in heldout]
     with pytest.raises(DataError, match="different targets"):
         split_examples(folders[1:], [1, 1], eval_size=1, seed=0)
     with pytest.raises(ConfigError, match="one integer >= 1 per --data folder"):
