@@ -80,11 +80,12 @@ def split_examples(folders: list, weights: list[int], eval_size: int, seed: int,
                    eval_folder: str | Path | None = None):
     """(held-out, training) `Example` lists from several distillation folders of one target.
 
-    The held-out sequences are drawn (seeded) from all folders together before weighting, so no held-out
-    sequence is trained on; a training sequence of a folder with weight w appears w times. With
-    `eval_folder` they are drawn from that folder instead (e.g. data that an earlier training run never
-    saw, whose held-out draw changes as folders are added), and any training sequence equal to one of
-    them is dropped.
+    The held-out sequences are drawn (seeded) from all folders together before weighting; a training
+    sequence of a folder with weight w appears w times. With `eval_folder` they are drawn from that folder
+    instead (e.g. data that an earlier training run never saw, whose held-out draw changes as folders are
+    added). Either way every training sequence equal to a held-out one is dropped: folders of one target
+    repeat prompts (two seeds of a prompt style share much of their pool), and a repeated prompt has the
+    same greedy response, so it would otherwise be trained on.
     """
     import torch
 
@@ -101,10 +102,9 @@ def split_examples(folders: list, weights: list[int], eval_size: int, seed: int,
                         f"more than --eval-size {eval_size}; generate more data or lower --eval-size")
     order = torch.randperm(len(pool), generator=torch.Generator().manual_seed(seed)).tolist()
     heldout = [pool[i][0] for i in order[:eval_size]]
-    if eval_folder is None:
-        return heldout, [tagged[i][0] for i in order[eval_size:] for _ in range(tagged[i][1])]
     held = {tuple(ex.input_ids.tolist()) for ex in heldout}
-    return heldout, [ex for ex, w in tagged if tuple(ex.input_ids.tolist()) not in held for _ in range(w)]
+    rest = [tagged[i] for i in order[eval_size:]] if eval_folder is None else tagged
+    return heldout, [ex for ex, w in rest if tuple(ex.input_ids.tolist()) not in held for _ in range(w)]
 
 
 def heldout_callback(examples, config, eval_fn=None, batch_size: int = 16):

@@ -278,6 +278,8 @@ def test_train_drafter_weights_several_data_folders_and_never_trains_on_held_out
         folder.mkdir()
         records = [{"id": f"{name}{i}", "prompt_ids": [1, 2], "response_ids": [len(folders) * 10 + i, 5]}
                    for i in range(count)]
+        if name == "b":  # every record of "a" again: a held-out draw of either copy must drop both
+            records += [{"id": f"b-a{i}", "prompt_ids": [1, 2], "response_ids": [i, 5]} for i in range(6)]
         (folder / "shard-00000.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
         (folder / "manifest.json").write_text(json.dumps({"shards": 1, "target_weights_sha256": target}))
         folders.append(folder)
@@ -288,14 +290,14 @@ def test_train_drafter_weights_several_data_folders_and_never_trains_on_held_out
     counts = {}
     for ex in training:
         counts[key(ex)] = counts.get(key(ex), 0) + 1
-    assert sorted(counts.values()) == sorted(1 if k[2] < 10 else 3 for k in counts) and len(counts) == 7
+    assert all(n == (4 if k[2] < 10 else 3) for k, n in counts.items()) and len(counts) == 7
     again = split_examples(folders[:2], [1, 3], eval_size=3, seed=0)[0]
     assert [key(ex) for ex in again] == [key(ex) for ex in heldout]  # seeded
     # --eval-data: held out from that folder alone, the same draw whatever --data holds; never trained on.
     heldout, training = split_examples(folders[:2], [1, 3], eval_size=2, seed=0, eval_folder=folders[1])
     held = {key(ex) for ex in heldout}
-    assert len(held) == 2 and all(k[2] >= 10 for k in held) and not held & {key(ex) for ex in training}
-    assert len(training) == 6 + 3 * 2
+    assert len(held) == 2 and not held & {key(ex) for ex in training}
+    assert len(training) == (6 + 3 * 10) - 4 * sum(k[2] < 10 for k in held) - 3 * sum(k[2] >= 10 for k in held)
     assert [key(ex) for ex in split_examples(folders[:1], [1], 2, 0, eval_folder=folders[1])[0]] == \
         [key(ex) for ex in heldout]
     with pytest.raises(DataError, match="different targets"):
