@@ -7,13 +7,15 @@ In these styles none come from HumanEval, MT-Bench or CHAMP; when those suites l
 contains one of their prompts is dropped as well (the `calib` style below takes suite prompts on purpose,
 and only drops evaluation-part ones). Selection is a pure function of (stdlib contents, number, seed, style).
 
-Two styles. `general` (above) teaches the drafter the target's voice on varied tasks. `suites` asks in
+Three styles. `general` (above) teaches the drafter the target's voice on varied tasks. `suites` asks in
 the exact wording of the suites' instructions, on material of our own: "Complete the following Python
 function" around a standard-library function's signature and docstring (HumanEval's shape), and "Solve the
 following problem..." around synthetic competition problems in CHAMP's plain-text style (counting,
 number theory, sequences, polynomials, inequalities, probability). The suites' instruction wording is what
 the target's answers follow: a drafter trained on general data alone accepted far less on the suites than
-on held-out general data (first slot 0.44 on humaneval vs 0.75), and this data narrows that gap.
+on held-out general data (first slot 0.44 on humaneval vs 0.75), and this data narrows that gap. Its
+pool is small: two seeds share much of it (887 of 2048 prompts of seed 1 are in seed 0's 1536), so a
+second seed adds fewer new sequences than its count.
 `calib` takes the prompts of the suites' calibration parts verbatim (HumanEval 82, CHAMP 135, MT-Bench 40
 first turns: what a user distilling on their own traffic does); it never takes a prompt of an evaluation
 part, so held-out tau stays held out. Pruning calibrates on these parts too: a drafter trained on them

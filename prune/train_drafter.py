@@ -345,6 +345,7 @@ def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
         eos = load_tokenizer(tokenizer_dir).eos_token_id
         eval_fn = replay_tau(heldout, args.eval_tau, manifest["max_new_tokens"], (eos,))
     callback = heldout_callback(heldout, config, eval_fn)
+    best = None
     if args.keep_best:
         from models.training import CHECKPOINT_STATE
 
@@ -352,7 +353,7 @@ def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
         callback = best.wrap(callback)
     history = train(model, training, config, callback=callback, device=device)
     seconds = time.perf_counter() - start
-    kept = best.restore(model) if args.keep_best else {}
+    kept = best.restore(model) if best else {}
     if kept:
         print(f"kept the weights of step {kept['step']} (held-out accept proxy {kept[best.metric]:.3f})",
               file=sys.stderr)
@@ -366,7 +367,7 @@ def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
         "embedding_init": init_note, "data_manifest": manifest, "train_sequences": len(training),
         **({"data_manifests": dict(zip(args.data, manifests))} if len(args.data) > 1 else {}),
         "heldout_sequences": len(heldout), "train_seconds_this_call": round(seconds, 1), "final_eval": final,
-        **({"kept_best": kept} if args.keep_best else {}),
+        **({"kept_best": kept} if best else {}),
         "history": [r for r in history if r["step"] % max(1, args.steps // 500) == 0 or "eval_slot_acc" in r],
     }
     folder = save_drafter(model.float().cpu(), out, tokenizer_source=tokenizer_dir, overwrite=args.overwrite,
@@ -374,7 +375,7 @@ def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
                           extra_files={"training.json": json.dumps(provenance, indent=2, sort_keys=True, default=str) + "\n"})
     if not args.keep_checkpoints:
         shutil.rmtree(checkpoint_dir, ignore_errors=True)
-        if args.keep_best:
+        if best:
             best.file.unlink(missing_ok=True)
     print(f"saved the drafter to {folder}", file=sys.stderr)
     return folder
