@@ -146,17 +146,52 @@ def champ_solution_texts(
     the `calib` part only (the default) to keep `champ:eval` unseen; `part=None` returns all 270 and
     is only safe when champ is not used for evaluation.
     """
-    if part is not None and part not in PARTS:
-        raise DataError(f"unknown part {part!r}; choose calib, eval or None (all problems)")
-    file = suite_data_file("champ", cache_dir, fetch)
-    problems = _champ_problems(file)
-    pairs = [({"id": pid}, p["category"]) for pid, p in problems.items()]
-    keep = set(_split("champ", pairs)[part]) if part else set(problems)
     return {
         pid: f"Problem: {p['_text']}\nSolution: " + " ".join(step["_text"] for step in p["solution"]["steps"])
-        for pid, p in problems.items()
-        if pid in keep
+        for pid, p in _champ_part(part, cache_dir, fetch).items()
     }
+
+
+# CHAMP formats whose prompts quote other problems (a similar problem, five worked examples); those can
+# be problems of the other part, so they never become training text.
+CHAMP_FORMATS_QUOTING_PROBLEMS = ("5-Shot", "Problem C w/ H", "Problem C w/o H")
+
+
+def champ_prompt_variants(
+    part: str = "calib", cache_dir: str | os.PathLike | None = None, fetch: bool = True
+) -> list[dict]:
+    """CHAMP's own first-turn prompts around one part's problems, as `{id, prompt}` records.
+
+    The dataset records how it prompted models on each problem: with a partial solution ("1/3 Soln",
+    "2/3 Soln"), with hints and with a relevant, root or misleading concept ("... C w/ H"), and by asking
+    to explain or exemplify a concept first ("Name C", "Example C"). These are real math prompts in the
+    suite's wording, distinct from the plain suite prompt. Formats in `CHAMP_FORMATS_QUOTING_PROBLEMS`
+    are skipped; prompts equal to the plain suite prompt are left out; each text appears once
+    (id "<problem id>|<format>" of its first use, in file order).
+    """
+    if part not in PARTS:
+        raise DataError(f"unknown part {part!r}; choose calib or eval")
+    records, seen = [], set()
+    for pid, problem in _champ_part(part, cache_dir, fetch).items():
+        seen.add(CHAMP_INSTRUCTION.format(text=problem["_text"]))
+        for name, conversation in problem["conversations"].items():
+            fmt = name.split("|", 1)[-1]
+            users = [m["text"] for m in conversation["messages"] if m["role"] == "User"]
+            if fmt in CHAMP_FORMATS_QUOTING_PROBLEMS or not users or users[0] in seen:
+                continue
+            seen.add(users[0])
+            records.append({"id": f"{pid}|{fmt}", "prompt": users[0]})
+    return records
+
+
+def _champ_part(part: str | None, cache_dir, fetch: bool) -> dict[str, dict]:
+    """CHAMP's problems of one part (all with `part=None`), keyed by id, in file order."""
+    if part is not None and part not in PARTS:
+        raise DataError(f"unknown part {part!r}; choose calib, eval or None (all problems)")
+    problems = _champ_problems(suite_data_file("champ", cache_dir, fetch))
+    pairs = [({"id": pid}, p["category"]) for pid, p in problems.items()]
+    keep = set(_split("champ", pairs)[part]) if part else set(problems)
+    return {pid: p for pid, p in problems.items() if pid in keep}
 
 
 def _records_with_groups(name: str, cache_dir, fetch: bool) -> list[tuple[dict, str]]:

@@ -7,7 +7,7 @@ In these styles none come from HumanEval, MT-Bench or CHAMP; when those suites l
 contains one of their prompts is dropped as well (the `calib` style below takes suite prompts on purpose,
 and only drops evaluation-part ones). Selection is a pure function of (stdlib contents, number, seed, style).
 
-Three styles. `general` (above) teaches the drafter the target's voice on varied tasks. `suites` asks in
+Four styles. `general` (above) teaches the drafter the target's voice on varied tasks. `suites` asks in
 the exact wording of the suites' instructions, on material of our own: "Complete the following Python
 function" around a standard-library function's signature and docstring (HumanEval's shape), and "Solve the
 following problem..." around synthetic competition problems in CHAMP's plain-text style (counting,
@@ -20,6 +20,10 @@ second seed adds fewer new sequences than its count.
 first turns: what a user distilling on their own traffic does); it never takes a prompt of an evaluation
 part, so held-out tau stays held out. Pruning calibrates on these parts too: a drafter trained on them
 has a higher calibration tau than evaluation tau, and retention should be read on the evaluation parts.
+`champ` takes CHAMP's own prompt formats around its calibration problems (`decode.suites.
+champ_prompt_variants`: with partial solutions, hints, relevant or misleading concepts, or asking to
+explain a concept; 921 distinct prompts): more of the target's math answers in the suite's wording than
+the 135 plain prompts give, with no evaluation problem in them (formats quoting other problems are left out).
 
 Responses are the target's greedy continuations of the chat-templated prompt (templated exactly as the
 decoders do it, through `decode.prompts.tokenize_records`), batched with left padding, cut after the
@@ -216,19 +220,35 @@ def _competition_prompt(rng: random.Random, index: int) -> dict:
             "prompt": CHAMP_INSTRUCTION.format(text=text)}
 
 
-STYLES = ("general", "suites", "calib")
+STYLES = ("general", "suites", "calib", "champ")
+# Styles made of suite material: checked against the evaluation parts only, and strictly (no suites, no data).
+SUITE_STYLES = ("calib", "champ")
 
 
 def calibration_prompts(num_prompts: int, seed: int = 0) -> list[dict]:
     """`num_prompts` prompt records of the suites' calibration parts, in a seeded order (style `calib`)."""
     from decode.suites import SUITES, load_suite
-    from models.errors import ConfigError
 
     records = [{"id": record["id"], "source": f"suite/{name}:calib", "prompt": record["prompt"]}
                for name in SUITES for record in load_suite(f"{name}:calib")]
+    return _seeded_draw(records, num_prompts, seed, "calib", "the suites' calibration parts")
+
+
+def champ_variant_prompts(num_prompts: int, seed: int = 0) -> list[dict]:
+    """`num_prompts` of CHAMP's own prompt formats around its calibration problems (style `champ`)."""
+    from decode.suites import champ_prompt_variants
+
+    records = [{**record, "source": "suite/champ:calib-variants"} for record in champ_prompt_variants("calib")]
+    return _seeded_draw(records, num_prompts, seed, "champ", "CHAMP's prompt formats on its calibration problems")
+
+
+def _seeded_draw(records: list[dict], num_prompts: int, seed: int, style: str, what: str) -> list[dict]:
+    from models.errors import ConfigError
+
     if num_prompts > len(records):
-        raise ConfigError(f"--style calib has {len(records)} prompts (the suites' calibration parts); "
+        raise ConfigError(f"--style {style} has {len(records)} prompts ({what}); "
                           f"ask for --num-prompts {len(records)} or fewer")
+    records = list(records)
     random.Random(seed).shuffle(records)
     return records[:num_prompts]
 
@@ -242,7 +262,7 @@ def collect_training_prompts(
     Reads only as many files as needed: files are visited in a seeded order, a few prompts each, and the
     pass repeats with more prompts per file when the library is exhausted. `style="suites"` draws half
     competition problems and half function signatures (see the module docstring); `math_share` is then unused.
-    `style="calib"` reads no library: see `calibration_prompts`.
+    `style="calib"` and `style="champ"` read no library: see `calibration_prompts`, `champ_variant_prompts`.
     """
     from models.errors import ConfigError, DataError
 
@@ -250,6 +270,8 @@ def collect_training_prompts(
         raise ConfigError(f"unknown prompt style {style!r}; choose one of {', '.join(STYLES)} (--style)")
     if style == "calib":
         return calibration_prompts(num_prompts, seed)
+    if style == "champ":
+        return champ_variant_prompts(num_prompts, seed)
     root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"]).resolve()
     files = stdlib_files(root)
     if not files:
@@ -370,8 +392,9 @@ def generate_distillation_data(
     if tokenizer is None:
         raise DataError(f"target {target_dir} has no tokenizer files; distillation needs the target's tokenizer")
 
-    # The calib style consists of suite prompts: it is checked against the evaluation parts only.
-    eval_texts = evaluation_prompts(strict=style == "calib", part="eval" if style == "calib" else None)
+    # The calib and champ styles consist of suite material: checked against the evaluation parts only.
+    suite_style = style in SUITE_STYLES
+    eval_texts = evaluation_prompts(strict=suite_style, part="eval" if suite_style else None)
     asked = num_prompts
     while True:  # ask for more when the evaluation filter dropped some (it almost never does)
         prompts = collect_training_prompts(asked, seed, stdlib_dir, style=style)

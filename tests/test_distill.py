@@ -67,6 +67,32 @@ def test_calib_style_is_the_suites_calibration_parts_and_no_evaluation_prompt():
         collect_training_prompts(258, style="calib")
 
 
+def test_champ_style_is_champ_formats_on_calibration_problems_only():
+    from decode.suites import champ_prompt_variants, load_suite
+    from models.errors import ConfigError, D3DError
+
+    try:
+        problems = {part: {r["id"]: r["prompt"].split("\n\n", 1)[1] for r in load_suite(f"champ:{part}")}
+                    for part in ("calib", "eval")}
+    except D3DError as exc:
+        pytest.skip(f"the champ suite cannot be loaded here ({exc})")
+    prompts = collect_training_prompts(921, seed=0, style="champ")
+    assert len({p["prompt"] for p in prompts}) == 921
+    # Every prompt is about a calibration problem (named in its id, its text quoted except for the
+    # concept-first formats), and no evaluation problem's text appears anywhere.
+    for p in prompts:
+        pid, fmt = p["id"].split("|")
+        assert pid in problems["calib"]
+        assert problems["calib"][pid] in p["prompt"] or fmt.startswith(("Name C", "Example C"))
+    assert not [p["id"] for p in prompts for text in problems["eval"].values() if text in p["prompt"]]
+    plain = set(r["prompt"] for r in load_suite("champ:calib"))
+    assert not plain & {p["prompt"] for p in prompts}
+    assert prompts == collect_training_prompts(921, seed=0, style="champ")
+    assert {p["id"] for p in champ_prompt_variants("calib")} == {p["id"] for p in prompts}
+    with pytest.raises(ConfigError, match="--num-prompts 921 or fewer"):
+        collect_training_prompts(922, style="champ")
+
+
 def test_overlap_filter_drops_prompts_that_contain_an_evaluation_prompt():
     from prune.distill import drop_evaluation_overlap
 

@@ -29,7 +29,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--style", choices=STYLES, default="general",
                         help="general: varied tasks on standard-library code and arithmetic; suites: the suites' own "
                         "instructions around standard-library function signatures and synthetic competition problems; calib: the "
-                        "prompts of the suites' calibration parts (257; never an evaluation prompt)")
+                        "prompts of the suites' calibration parts (257; never an evaluation prompt); champ: CHAMP's own prompt "
+                        "formats (partial solutions, hints, concepts) around its calibration problems (921)")
     add_debug(parser)
     parser.set_defaults(run=run)
 
