@@ -2,7 +2,10 @@
 
 Decoders run interleaved per prompt (ar, sync, async for prompt 1, then prompt 2, ...) after a warm-up,
 so that slow drift of the machine's speed affects every decoder alike. `ar` always runs: it is the
-reference output for exactness and the baseline for speedup.
+reference output for exactness and the baseline for speedup. With replayed verification and
+`replay_batch` > 1, the speculative decoders run after `ar`, that many prompts in lockstep (replay makes
+the result per prompt the same as alone; see tests/test_replay.py): a whole suite part's tau costs
+minutes, and the per-prompt times, meaningless for a batch, are reported as null.
 """
 
 import platform
@@ -18,6 +21,9 @@ from .prompts import Prompt
 from .verifiers import LiveVerifier, ReplayVerifier
 
 VERIFY_MODES = ("live", "replay")
+# Summary fields that are per-prompt times: a lockstep batch has only the batch's.
+BATCH_TIMES = ("tokens_per_s", "time_per_token_ms", "decode_s", "prefill_s", "time_split_ms",
+               "packed_hidden_fraction")
 
 
 @dataclass
@@ -29,12 +35,14 @@ class BenchConfig:
         verify: "live" runs the target; "replay" answers verification from the `ar` trajectory
             (greedy only; acceptance metrics are exact, times then exclude the target).
         warmup_tokens: max_new_tokens of the untimed warm-up run of each decoder on the first prompt.
+        replay_batch: prompts decoded in lockstep by sync / async under replay (1: one at a time, timed).
     """
 
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     decoders: tuple[str, ...] = DECODERS
     verify: str = "live"
     warmup_tokens: int = 16
+    replay_batch: int = 1
 
     def validate(self) -> None:
         unknown = [d for d in self.decoders if d not in DECODERS]
@@ -44,6 +52,10 @@ class BenchConfig:
             raise ConfigError(f"unknown verify mode {self.verify!r}; choose live or replay")
         if self.verify == "replay" and self.decode.temperature > 0:
             raise ConfigError("replay verification is greedy only; use --verify live with --temperature > 0")
+        if self.replay_batch < 1:
+            raise ConfigError("--replay-batch must be at least 1")
+        if self.replay_batch > 1 and self.verify != "replay":
+            raise ConfigError("--replay-batch needs --verify replay (live verification decodes one prompt at a time)")
         if self.decode.max_new_tokens < 1:
             raise ConfigError("--max-new-tokens must be at least 1")
         if self.decode.temperature < 0:
@@ -76,8 +88,9 @@ def run_bench(drafter, target, prompts: list[Prompt], config: BenchConfig, on_re
         run_decoder(decoder, drafter, target, prompts[0].input_ids, warm)
 
     outputs: dict[str, list[DecodeResult]] = {d: [] for d in decoders}
+    batched = config.replay_batch > 1
     for index, prompt in enumerate(prompts):
-        for decoder in decoders:
+        for decoder in decoders[:1] if batched else decoders:
             verifier = None
             if decoder != "ar" and config.verify == "replay":
                 verifier = ReplayVerifier(prompt.input_ids + outputs["ar"][index].output_ids)
@@ -85,6 +98,16 @@ def run_bench(drafter, target, prompts: list[Prompt], config: BenchConfig, on_re
             outputs[decoder].append(result)
             if on_result is not None:
                 on_result(index, decoder, result)
+    for decoder in decoders[1:] if batched else ():
+        for start in range(0, len(prompts), config.replay_batch):
+            chunk = range(start, min(start + config.replay_batch, len(prompts)))
+            verifiers = [ReplayVerifier(prompts[i].input_ids + outputs["ar"][i].output_ids) for i in chunk]
+            results = decode_speculative(decoder, drafter, verifiers, [prompts[i].input_ids for i in chunk],
+                                         config.decode)
+            outputs[decoder] += results
+            for index, result in zip(chunk, results):
+                if on_result is not None:
+                    on_result(index, decoder, result)
 
     report = {"decoders": {}, "prompts": len(prompts), "settings": _settings(config, drafter, target)}
     ar_summary = summarize(outputs["ar"], block_size)
@@ -96,6 +119,8 @@ def run_bench(drafter, target, prompts: list[Prompt], config: BenchConfig, on_re
             same = [r.output_ids == ref.output_ids for r, ref in zip(outputs[decoder], outputs["ar"])]
             summary["exact_match_vs_ar"] = all(same)
             summary["exact_match_prompts"] = sum(same)
+        if batched and decoder != "ar":
+            summary.update({key: None for key in BATCH_TIMES if key in summary})
         timed = decoder == "ar" or config.verify == "live"
         base, own = ar_summary["time_per_token_ms"], summary["time_per_token_ms"]
         summary["speedup_vs_ar"] = base / own if timed and base and own else None
@@ -108,6 +133,7 @@ def _settings(config: BenchConfig, drafter, target) -> dict:
     return {
         "decode": asdict(config.decode),
         "verify": config.verify,
+        "replay_batch": config.replay_batch,
         "warmup_tokens": config.warmup_tokens,
         "block_size": drafter.config.block_size if drafter is not None else None,
         "drafter_layers": drafter.config.num_hidden_layers if drafter is not None else None,

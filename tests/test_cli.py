@@ -65,6 +65,25 @@ def test_bench_replay_matches_live_tau(pair_dirs, capsys):
     assert replay["speedup_vs_ar"] is None
 
 
+def test_bench_replay_batch_equals_one_prompt_at_a_time(pair_dirs, capsys, tmp_path):
+    reports, outputs = [], []
+    for batch in ("1", "2"):
+        saved = tmp_path / f"out-{batch}.jsonl"
+        main(bench_args(pair_dirs, "--verify", "replay", "--replay-batch", batch, "--json", "-",
+                        "--save-outputs", str(saved)))
+        reports.append(json.loads(capsys.readouterr().out))
+        outputs.append(sorted(saved.read_text().splitlines()))
+    one, lockstep = reports
+    assert lockstep["settings"]["replay_batch"] == 2 and outputs[0] == outputs[1]
+    for name in ("sync", "async"):
+        for key in ("tau_per_prompt", "tau_macro", "acceptance_histogram", "exact_match_vs_ar"):
+            assert lockstep["decoders"][name][key] == one["decoders"][name][key]
+        assert one["decoders"][name]["time_per_token_ms"] is not None
+        assert lockstep["decoders"][name]["time_per_token_ms"] is None
+    assert lockstep["decoders"]["async"]["hit_rate"] == one["decoders"]["async"]["hit_rate"]
+    assert lockstep["decoders"]["ar"]["time_per_token_ms"] is not None
+
+
 def error_of(capsys, argv) -> str:
     assert main(argv) == 1
     err = capsys.readouterr().err.strip()
@@ -101,6 +120,7 @@ def test_incompatible_pair_and_bad_settings(pair_dirs, capsys, tmp_path):
     assert "vocabulary mismatch" in error_of(capsys, args)
     assert "replay" in error_of(capsys, bench_args(pair_dirs, "--verify", "replay", "--temperature", "0.5"))
     assert "block size" in error_of(capsys, bench_args(pair_dirs, "--block-size", "9"))
+    assert "--verify replay" in error_of(capsys, bench_args(pair_dirs, "--replay-batch", "4"))
 
 
 def test_validate_command(pair_dirs, capsys, tmp_path):

@@ -18,6 +18,7 @@ examples:
   prune bench --suite humaneval:eval --limit 10          (the demo pair)
   prune bench --drafter DRAFTER --target TARGET --prompts prompts.jsonl --limit 10
   prune bench --drafter DRAFTER --target TARGET --prompts p.jsonl --decoder async --verify replay --json -
+  prune bench --suite champ:eval --decoder async --verify replay --replay-batch 16   (a whole part's tau)
 """
 
 
@@ -39,6 +40,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--verify", choices=("live", "replay"), default="live",
                         help="live: run the target; replay: answer from the ar trajectory (greedy only)")
+    parser.add_argument("--replay-batch", type=int, default=1, metavar="N",
+                        help="with --verify replay: decode N prompts in lockstep (tau and exactness as one at a "
+                        "time, in a fraction of the time; per-prompt times are then null)")
     parser.add_argument("--packed-budget", type=int, default=64,
                         help="async: query tokens the packed pass spends on candidate blocks")
     parser.add_argument("--fan-out", type=int, default=3, help="async: most bonus guesses per outcome")
@@ -67,7 +71,7 @@ def run(args) -> int:
         concurrent=not args.sequential,
     )
     decoders = DECODERS if args.decoder == "all" else ("ar", args.decoder)
-    config = BenchConfig(decode=decode, decoders=decoders, verify=args.verify)
+    config = BenchConfig(decode=decode, decoders=decoders, verify=args.verify, replay_batch=args.replay_batch)
     config.validate()
 
     from prune.progress import progress_bar
