@@ -5,7 +5,9 @@ so that slow drift of the machine's speed affects every decoder alike. `ar` alwa
 reference output for exactness and the baseline for speedup. With replayed verification and
 `replay_batch` > 1, the speculative decoders run after `ar`, that many prompts in lockstep (replay makes
 the result per prompt the same as alone; see tests/test_replay.py): a whole suite part's tau costs
-minutes, and the per-prompt times, meaningless for a batch, are reported as null.
+minutes, and the per-prompt times, meaningless for a batch, are reported as null. Recorded `ar` outputs
+(an earlier run's saved outputs) can stand in for the target's decoding under replay, so comparing
+drafters on one prompt set runs the target once.
 """
 
 import platform
@@ -21,8 +23,8 @@ from .prompts import Prompt
 from .verifiers import LiveVerifier, ReplayVerifier
 
 VERIFY_MODES = ("live", "replay")
-# Summary fields that are per-prompt times: a lockstep batch has only the batch's.
-BATCH_TIMES = ("tokens_per_s", "time_per_token_ms", "decode_s", "prefill_s", "time_split_ms",
+# Summary fields that are per-prompt times: a lockstep batch has only the batch's, recorded ar outputs none.
+UNTIMED = ("tokens_per_s", "time_per_token_ms", "decode_s", "prefill_s", "time_split_ms",
                "packed_hidden_fraction")
 
 
@@ -70,21 +72,27 @@ def run_decoder(decoder: str, drafter, target, prompt: list[int], config: Decode
     return decode_speculative(decoder, drafter, [verifier], [prompt], config)[0]
 
 
-def run_bench(drafter, target, prompts: list[Prompt], config: BenchConfig, on_result=None) -> tuple[dict, dict]:
+def run_bench(drafter, target, prompts: list[Prompt], config: BenchConfig, on_result=None,
+              ar_outputs: list[list[int]] | None = None) -> tuple[dict, dict]:
     """Benchmark the decoders on `prompts`.
 
     Args:
         on_result: optional callback(prompt_index, decoder, DecodeResult), e.g. to advance a progress bar.
+        ar_outputs: the target's greedy outputs per prompt, recorded by an earlier run (same target,
+            prompts and max_new_tokens): used as the `ar` results instead of decoding, replay only; the
+            `ar` entry then has no times.
 
     Returns:
         (report, outputs): the JSON-ready report `{"decoders": {...}, "prompts": N, "settings": {...}}`
         and `{decoder: [DecodeResult per prompt]}`.
     """
     config.validate()
+    if ar_outputs is not None:
+        check_recorded_outputs(ar_outputs, prompts, config)
     decoders = ["ar"] + [d for d in DECODERS if d in config.decoders and d != "ar"]
     block_size = drafter.config.block_size if drafter is not None else None
     warm = replace(config.decode, max_new_tokens=min(config.warmup_tokens, config.decode.max_new_tokens))
-    for decoder in decoders:
+    for decoder in decoders[1:] if ar_outputs is not None else decoders:
         run_decoder(decoder, drafter, target, prompts[0].input_ids, warm)
 
     outputs: dict[str, list[DecodeResult]] = {d: [] for d in decoders}
@@ -94,7 +102,10 @@ def run_bench(drafter, target, prompts: list[Prompt], config: BenchConfig, on_re
             verifier = None
             if decoder != "ar" and config.verify == "replay":
                 verifier = ReplayVerifier(prompt.input_ids + outputs["ar"][index].output_ids)
-            result = run_decoder(decoder, drafter, target, prompt.input_ids, config.decode, verifier)
+            if decoder == "ar" and ar_outputs is not None:
+                result = DecodeResult("ar", len(prompt.input_ids), list(ar_outputs[index]))
+            else:
+                result = run_decoder(decoder, drafter, target, prompt.input_ids, config.decode, verifier)
             outputs[decoder].append(result)
             if on_result is not None:
                 on_result(index, decoder, result)
@@ -119,13 +130,27 @@ def run_bench(drafter, target, prompts: list[Prompt], config: BenchConfig, on_re
             same = [r.output_ids == ref.output_ids for r, ref in zip(outputs[decoder], outputs["ar"])]
             summary["exact_match_vs_ar"] = all(same)
             summary["exact_match_prompts"] = sum(same)
-        if batched and decoder != "ar":
-            summary.update({key: None for key in BATCH_TIMES if key in summary})
+        if (batched and decoder != "ar") or (decoder == "ar" and ar_outputs is not None):
+            summary.update({key: None for key in UNTIMED if key in summary})
         timed = decoder == "ar" or config.verify == "live"
         base, own = ar_summary["time_per_token_ms"], summary["time_per_token_ms"]
         summary["speedup_vs_ar"] = base / own if timed and base and own else None
         report["decoders"][decoder] = summary
     return report, outputs
+
+
+def check_recorded_outputs(ar_outputs: list[list[int]], prompts: list[Prompt], config: BenchConfig) -> None:
+    """ConfigError unless recorded ar outputs can stand in for decoding these prompts with `config`."""
+    if config.verify != "replay":
+        raise ConfigError("recorded ar outputs (--ar-outputs) need --verify replay")
+    if len(ar_outputs) != len(prompts):
+        raise ConfigError(f"{len(ar_outputs)} recorded ar outputs for {len(prompts)} prompts")
+    cap, stops = config.decode.max_new_tokens, set(config.decode.stop_ids)
+    for prompt, output in zip(prompts, ar_outputs):
+        # A greedy output ends at a stop token or at the cap; any other length was made with another cap.
+        if len(output) > cap or (len(output) < cap and (not output or output[-1] not in stops)):
+            raise ConfigError(f"the recorded ar output of prompt {prompt.id!r} has {len(output)} tokens, which "
+                              f"--max-new-tokens {cap} cannot produce; record it with the same --max-new-tokens")
 
 
 def _settings(config: BenchConfig, drafter, target) -> dict:

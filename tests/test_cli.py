@@ -84,6 +84,28 @@ def test_bench_replay_batch_equals_one_prompt_at_a_time(pair_dirs, capsys, tmp_p
     assert lockstep["decoders"]["ar"]["time_per_token_ms"] is not None
 
 
+def test_bench_reuses_recorded_ar_outputs(pair_dirs, capsys, tmp_path):
+    saved = tmp_path / "ar.jsonl"
+    main(bench_args(pair_dirs, "--verify", "replay", "--json", "-", "--save-outputs", str(saved)))
+    fresh = json.loads(capsys.readouterr().out)
+    main(bench_args(pair_dirs, "--verify", "replay", "--replay-batch", "3", "--ar-outputs", str(saved), "--json", "-"))
+    reused = json.loads(capsys.readouterr().out)
+    assert reused["settings"]["ar_outputs"] == str(saved)
+    for name in ("sync", "async"):
+        for key in ("tau_per_prompt", "acceptance_histogram", "exact_match_vs_ar", "exact_match_prompts"):
+            assert reused["decoders"][name][key] == fresh["decoders"][name][key]
+    assert reused["decoders"]["ar"]["output_tokens"] == fresh["decoders"]["ar"]["output_tokens"]
+    assert reused["decoders"]["ar"]["time_per_token_ms"] is None
+
+    # Another cap, a live run, or a file without some prompt: refused with the fix named.
+    assert "--max-new-tokens" in error_of(capsys, bench_args(pair_dirs, "--verify", "replay", "--ar-outputs",
+                                                             str(saved)) + ["--max-new-tokens", "5"])
+    assert "--verify replay" in error_of(capsys, bench_args(pair_dirs, "--ar-outputs", str(saved)))
+    partial = tmp_path / "partial.jsonl"
+    partial.write_text("".join(line + "\n" for line in saved.read_text().splitlines() if '"p1"' not in line))
+    assert "'p1'" in error_of(capsys, bench_args(pair_dirs, "--verify", "replay", "--ar-outputs", str(partial)))
+
+
 def error_of(capsys, argv) -> str:
     assert main(argv) == 1
     err = capsys.readouterr().err.strip()

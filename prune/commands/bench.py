@@ -19,6 +19,8 @@ examples:
   prune bench --drafter DRAFTER --target TARGET --prompts prompts.jsonl --limit 10
   prune bench --drafter DRAFTER --target TARGET --prompts p.jsonl --decoder async --verify replay --json -
   prune bench --suite champ:eval --decoder async --verify replay --replay-batch 16   (a whole part's tau)
+  prune bench --suite champ:eval --decoder ar --save-outputs ar.jsonl          (the target once, then per drafter:)
+  prune bench --drafter D --suite champ:eval --decoder async --verify replay --replay-batch 16 --ar-outputs ar.jsonl
 """
 
 
@@ -43,6 +45,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--replay-batch", type=int, default=1, metavar="N",
                         help="with --verify replay: decode N prompts in lockstep (tau and exactness as one at a "
                         "time, in a fraction of the time; per-prompt times are then null)")
+    parser.add_argument("--ar-outputs", metavar="FILE.jsonl", default=None,
+                        help="with --verify replay: take the target's outputs from the ar lines of a --save-outputs "
+                        "file of the same target, prompts and --max-new-tokens instead of decoding them")
     parser.add_argument("--packed-budget", type=int, default=64,
                         help="async: query tokens the packed pass spends on candidate blocks")
     parser.add_argument("--fan-out", type=int, default=3, help="async: most bonus guesses per outcome")
@@ -76,16 +81,40 @@ def run(args) -> int:
 
     from prune.progress import progress_bar
 
+    ar_outputs = read_ar_outputs(args.ar_outputs, prompts) if args.ar_outputs else None
     total = len(prompts) * len(set(decoders))
     with progress_bar("bench", total, enabled=show_progress(args.json)) as advance:
-        report, outputs = run_bench(pair.drafter, pair.target, prompts, config, on_result=lambda *_: advance())
-    report["settings"].update({"drafter": drafter_dir, "target": target_path, "prompts": source})
+        report, outputs = run_bench(pair.drafter, pair.target, prompts, config, on_result=lambda *_: advance(),
+                                    ar_outputs=ar_outputs)
+    report["settings"].update({"drafter": drafter_dir, "target": target_path, "prompts": source,
+                               "ar_outputs": args.ar_outputs})
     if args.save_outputs:
         _save_outputs(args.save_outputs, prompts, outputs, pair.tokenizer)
     write_json(report, args.json)
     if args.json != "-":
         print_table(report)
     return 0
+
+
+def read_ar_outputs(path: str, prompts) -> list[list[int]]:
+    """The ar output ids per prompt (by id) from a file written by --save-outputs."""
+    from models.errors import DataError
+
+    recorded = {}
+    try:
+        with open(path) as handle:
+            for line in handle:
+                if line.strip():
+                    record = json.loads(line)
+                    if record.get("decoder") == "ar":
+                        recorded[str(record["id"])] = [int(t) for t in record["output_ids"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"cannot read ar outputs from {path} ({exc}); pass a file written by --save-outputs") from None
+    missing = [p.id for p in prompts if p.id not in recorded]
+    if missing:
+        raise DataError(f"{path} has no ar output for prompt {missing[0]!r} ({len(missing)} missing); "
+                        "record it with --save-outputs on the same prompts")
+    return [recorded[p.id] for p in prompts]
 
 
 def _save_outputs(path: str, prompts, outputs: dict, tokenizer) -> None:
