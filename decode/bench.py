@@ -25,7 +25,7 @@ from .verifiers import LiveVerifier, ReplayVerifier
 VERIFY_MODES = ("live", "replay")
 # Summary fields that are per-prompt times: a lockstep batch has only the batch's, recorded ar outputs none.
 UNTIMED = ("tokens_per_s", "time_per_token_ms", "decode_s", "prefill_s", "time_split_ms",
-               "packed_hidden_fraction")
+           "packed_hidden_fraction")
 
 
 @dataclass
@@ -101,7 +101,7 @@ def run_bench(drafter, target, prompts: list[Prompt], config: BenchConfig, on_re
         for decoder in decoders[:1] if batched else decoders:
             verifier = None
             if decoder != "ar" and config.verify == "replay":
-                verifier = ReplayVerifier(prompt.input_ids + outputs["ar"][index].output_ids)
+                verifier = _replay(prompt, outputs["ar"][index])
             if decoder == "ar" and ar_outputs is not None:
                 result = DecodeResult("ar", len(prompt.input_ids), list(ar_outputs[index]))
             else:
@@ -112,7 +112,7 @@ def run_bench(drafter, target, prompts: list[Prompt], config: BenchConfig, on_re
     for decoder in decoders[1:] if batched else ():
         for start in range(0, len(prompts), config.replay_batch):
             chunk = range(start, min(start + config.replay_batch, len(prompts)))
-            verifiers = [ReplayVerifier(prompts[i].input_ids + outputs["ar"][i].output_ids) for i in chunk]
+            verifiers = [_replay(prompts[i], outputs["ar"][i]) for i in chunk]
             results = decode_speculative(decoder, drafter, verifiers, [prompts[i].input_ids for i in chunk],
                                          config.decode)
             outputs[decoder] += results
@@ -137,6 +137,11 @@ def run_bench(drafter, target, prompts: list[Prompt], config: BenchConfig, on_re
         summary["speedup_vs_ar"] = base / own if timed and base and own else None
         report["decoders"][decoder] = summary
     return report, outputs
+
+
+def _replay(prompt: Prompt, ar: DecodeResult) -> ReplayVerifier:
+    """Verification answered from the target's recorded trajectory (prompt + ar output)."""
+    return ReplayVerifier(prompt.input_ids + ar.output_ids)
 
 
 def check_recorded_outputs(ar_outputs: list[list[int]], prompts: list[Prompt], config: BenchConfig) -> None:
