@@ -12,8 +12,8 @@ drafts synchronously from b (a fallback). Running the two passes one after the o
 gives identical tokens, acceptances and hits.
 """
 
+import contextlib
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -22,9 +22,11 @@ from models.errors import ConfigError, DataError
 from models.masks import BlockSpec
 
 from .acceptance import StopRule, greedy_outcome, sample_token, sampled_outcome
+from .cost import WidthPolicy
 from .engine import BlockPrediction, DraftEngine, DraftRequest
 from .planner import plan_candidates
 from .verifiers import LiveVerifier, TargetOutput
+from .worker import draft_worker, thread_split
 
 DECODERS = ("ar", "sync", "async")
 
@@ -35,14 +37,19 @@ class DecodeConfig:
 
     Attributes:
         max_new_tokens: generated tokens at most (the first token from prefill included).
-        block_size: tokens verified per round (t plus B-1 drafts); None uses the drafter's block size.
-            Smaller values keep the drafter's trained geometry and use only its first slots.
+        block_size: most tokens verified per round (t plus B-1 drafts); None uses the drafter's block
+            size. Smaller values keep the drafter's trained geometry and use only its first slots.
+        width_policy: chooses each round's verify width (2 .. block_size) from the drafter's confidences
+            and the cost model (decode.cost.WidthPolicy); None verifies block_size tokens every round.
+            Decisions depend on drafter outputs only, so replay and live decoding make the same ones.
         temperature: 0 for greedy; > 0 samples (speculative sampling for sync/async).
         seed: seeds the sampling generator of every sequence.
         stop_ids: token ids that end a sequence (kept in the output), e.g. EOS.
         packed_budget: async only; query tokens the packed pass may spend on candidate blocks.
         fan_out: async only; most bonus guesses per outcome.
         concurrent: async only; overlap the verify pass and the packed pass (False: one after the other).
+        draft_threads: async only, CPU: intra-op threads of the concurrent packed pass; the verify pass
+            gets the rest (None: decode.worker.default_draft_threads).
         lookahead: async only, and only where every verifier knows its answers ahead (replay): verify
             first, then let the packed pass compute only what the known outcome (a, b) can use - the
             chain up to d_a and the candidates for that outcome, or on a known miss the fallback draft
@@ -53,13 +60,25 @@ class DecodeConfig:
 
     max_new_tokens: int = 128
     block_size: int | None = None
+    width_policy: WidthPolicy | None = None
     temperature: float = 0.0
     seed: int = 0
     stop_ids: tuple[int, ...] = ()
     packed_budget: int = 64
     fan_out: int = 3
     concurrent: bool = True
+    draft_threads: int | None = None
     lookahead: bool = True
+
+    def verify_block(self, drafter_block: int) -> int:
+        """The most tokens a round verifies with a drafter of block size `drafter_block` (ConfigError if unusable)."""
+        block = self.block_size or drafter_block
+        if not 2 <= block <= drafter_block:
+            raise ConfigError(
+                f"block size {block} must be in 2..{drafter_block} (the drafter's block_size); "
+                "lower --block-size or use a drafter trained with larger blocks"
+            )
+        return block
 
     @property
     def stop_rule(self) -> StopRule:
@@ -78,6 +97,7 @@ class Round:
     fallback_s: float = 0.0
     packed_tokens: int = 0
     total_s: float = 0.0
+    width: int = 1
 
 
 @dataclass
@@ -103,6 +123,11 @@ class DecodeResult:
         return [r.accepted for r in self.rounds]
 
     @property
+    def widths(self) -> list[int]:
+        """Tokens verified per round (1 for ar)."""
+        return [r.width for r in self.rounds]
+
+    @property
     def round_trace(self) -> list[tuple[int, bool | None]]:
         """Per-round (a, hit): the sequence replay must reproduce exactly."""
         return [(r.accepted, r.hit) for r in self.rounds]
@@ -122,7 +147,11 @@ class _Draft:
     alternatives: list[list[tuple[int, float]]]
 
     @classmethod
-    def from_slots(cls, bonus: int, prediction: BlockPrediction, first_slot: int, count: int) -> "_Draft":
+    def from_slots(cls, bonus: int, prediction: BlockPrediction, first_slot: int, count: int,
+                   policy: WidthPolicy | None = None) -> "_Draft":
+        """The draft after `bonus` from `count` slots of `prediction` (fewer where `policy` says so)."""
+        if policy is not None:
+            count = policy.choose(prediction.probs[first_slot : first_slot + count], count + 1) - 1
         end = first_slot + count
         return cls(
             [bonus] + prediction.tokens[first_slot:end],
@@ -172,6 +201,11 @@ class _Sequence:
     def ar_step(self) -> int:
         out = self.verifier.verify([self.tokens[-1]])
         return self._commit([self._pick(out, 0)])
+
+    @property
+    def width(self) -> int:
+        """Tokens the current draft verifies (t and its drafts)."""
+        return len(self.draft.tokens)
 
     def verify_draft(self) -> int:
         """Verify the current draft and commit; returns a (after the stop rule)."""
@@ -224,29 +258,28 @@ def decode_speculative(
         raise ValueError(f"unknown speculative decoder {decoder!r}")
     seqs = [_Sequence(prompt, verifier, config) for prompt, verifier in zip(prompts, verifiers)]
     engine = DraftEngine(drafter, rows=len(seqs), fan_out=config.fan_out)
-    block = config.block_size or engine.block_size
-    if not 2 <= block <= engine.block_size:
-        raise ConfigError(
-            f"block size {block} must be in 2..{engine.block_size} (the drafter's block_size); "
-            "lower --block-size or use a drafter trained with larger blocks"
-        )
+    block = config.verify_block(engine.block_size)
     start = time.perf_counter()
     for seq in seqs:
         seq.start()
-    _sync_draft(engine, seqs, [not seq.done for seq in seqs], block)
+    _sync_draft(engine, seqs, [not seq.done for seq in seqs], block, config.width_policy)
     prefill_s = time.perf_counter() - start
-    start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=1) as pool:
+    lookahead = config.lookahead and all(seq.verifier.answers_ahead for seq in seqs)
+    concurrent = decoder == "async" and config.concurrent and not lookahead
+    split = thread_split(engine.device, config.draft_threads) if concurrent else contextlib.nullcontext()
+    with split:
+        start = time.perf_counter()
         while any(not seq.done for seq in seqs):
             if decoder == "sync":
-                _sync_round(engine, seqs, block)
+                _sync_round(engine, seqs, block, config.width_policy)
             else:
-                _async_round(engine, seqs, block, config, pool)
-    decode_s = time.perf_counter() - start
+                _async_round(engine, seqs, block, config, concurrent, lookahead)
+        decode_s = time.perf_counter() - start
     return [seq.result(decoder, prefill_s, decode_s) for seq in seqs]
 
 
-def _sync_draft(engine: DraftEngine, seqs: list[_Sequence], which: list[bool], block: int) -> float:
+def _sync_draft(engine: DraftEngine, seqs: list[_Sequence], which: list[bool], block: int,
+                policy: WidthPolicy | None) -> float:
     """Draft a fresh block after the last committed token of each selected sequence; returns seconds."""
     start = time.perf_counter()
     requests = [
@@ -257,28 +290,31 @@ def _sync_draft(engine: DraftEngine, seqs: list[_Sequence], which: list[bool], b
     engine.keep([len(req.chain) if req else 0 for req in requests])
     for r, seq in enumerate(seqs):
         if which[r]:
-            seq.draft = _Draft.from_slots(seq.tokens[-1], predictions[r][0], 0, block - 1)
+            seq.draft = _Draft.from_slots(seq.tokens[-1], predictions[r][0], 0, block - 1, policy)
     return time.perf_counter() - start
 
 
-def _sync_round(engine: DraftEngine, seqs: list[_Sequence], block: int) -> None:
+def _sync_round(engine: DraftEngine, seqs: list[_Sequence], block: int, policy: WidthPolicy | None) -> None:
     round_start = time.perf_counter()
     active = [not seq.done for seq in seqs]
     for r, seq in enumerate(seqs):
         if active[r]:
             verify_start = time.perf_counter()
+            width = seq.width
             a = seq.verify_draft()
-            seq.rounds.append(Round(accepted=a, verify_s=time.perf_counter() - verify_start))
-    draft_s = _sync_draft(engine, seqs, [active[r] and not seq.done for r, seq in enumerate(seqs)], block)
+            seq.rounds.append(Round(accepted=a, verify_s=time.perf_counter() - verify_start, width=width))
+    draft_s = _sync_draft(engine, seqs, [active[r] and not seq.done for r, seq in enumerate(seqs)], block, policy)
     total = time.perf_counter() - round_start
     for r, seq in enumerate(seqs):
         if active[r]:
             seq.rounds[-1].draft_s, seq.rounds[-1].total_s = draft_s, total
 
 
-def _async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config: DecodeConfig, pool) -> None:
+def _async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config: DecodeConfig,
+                 concurrent: bool, lookahead: bool) -> None:
     round_start = time.perf_counter()
     active = [not seq.done for seq in seqs]
+    widths = [seq.width if active[r] else 0 for r, seq in enumerate(seqs)]
     requests, plans = [], []
     for r, seq in enumerate(seqs):
         if not active[r]:
@@ -287,7 +323,7 @@ def _async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config:
             continue
         draft = seq.draft
         plan = plan_candidates(
-            draft.confidences, draft.alternatives, block, config.packed_budget, config.fan_out, engine.block_size
+            draft.confidences, draft.alternatives, widths[r], config.packed_budget, config.fan_out, engine.block_size
         )
         s = len(seq.tokens) - 1  # position of t
         blocks = [BlockSpec(s + c.accepted, c.guess) for c in plan]
@@ -295,14 +331,15 @@ def _async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config:
         plans.append(plan)
 
     fed, drafted = requests, [False] * len(seqs)
-    lookahead = config.lookahead and all(seq.verifier.answers_ahead for seq in seqs)
 
     def packed_pass():
         t0 = time.perf_counter()
         predictions = engine.forward(fed)
         return predictions, t0, time.perf_counter()
 
-    future = pool.submit(packed_pass) if config.concurrent and not lookahead else None
+    if concurrent:
+        engine.mark_ready()
+    future = draft_worker().submit(packed_pass) if concurrent else None
     if future is None and not lookahead:
         predictions, p_start, p_end = packed_pass()
     v_start = time.perf_counter()
@@ -326,12 +363,12 @@ def _async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config:
     hits = [None] * len(seqs)
     for r, seq in enumerate(seqs):
         if drafted[r]:
-            seq.draft = _Draft.from_slots(seq.tokens[-1], predictions[r][0], 0, block - 1)
+            seq.draft = _Draft.from_slots(seq.tokens[-1], predictions[r][0], 0, block - 1, config.width_policy)
             hits[r] = False
         elif active[r] and not seq.done:
-            hits[r] = _take_candidate(seq, plans[r], predictions[r], accepted[r], block)
+            hits[r] = _take_candidate(seq, plans[r], predictions[r], accepted[r], block, config.width_policy)
     missed = [active[r] and hits[r] is False and not drafted[r] for r in range(len(seqs))]
-    fallback_s = _sync_draft(engine, seqs, missed, block) if any(missed) else 0.0
+    fallback_s = _sync_draft(engine, seqs, missed, block, config.width_policy) if any(missed) else 0.0
 
     overlap = max(0.0, min(v_end, p_end) - max(v_start, p_start))
     total = time.perf_counter() - round_start
@@ -350,6 +387,7 @@ def _async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config:
                     fallback_s=fallback_s if missed[r] else 0.0,
                     packed_tokens=packed_tokens,
                     total_s=total,
+                    width=widths[r],
                 )
             )
 
@@ -388,7 +426,8 @@ def _usable_parts(seqs, requests, plans, accepted, old_lengths, cache_lens):
     return fed, kept_plans, drafted
 
 
-def _take_candidate(seq: _Sequence, plan, predictions: list[BlockPrediction], a: int, block: int) -> bool:
+def _take_candidate(seq: _Sequence, plan, predictions: list[BlockPrediction], a: int, block: int,
+                    policy: WidthPolicy | None) -> bool:
     """Make the candidate matching (a, b) the next draft; False when none matches (a fallback is needed)."""
     bonus = seq.tokens[-1]
     for candidate, prediction in zip(plan, predictions):
@@ -396,9 +435,9 @@ def _take_candidate(seq: _Sequence, plan, predictions: list[BlockPrediction], a:
             continue
         if candidate.guess is None and prediction.tokens[0] == bonus:
             # All accepted: slot 1 drafted b itself; slots 2 .. B are the next drafts.
-            seq.draft = _Draft.from_slots(bonus, prediction, 1, block - 1)
+            seq.draft = _Draft.from_slots(bonus, prediction, 1, block - 1, policy)
             return True
         if candidate.guess == bonus:
-            seq.draft = _Draft.from_slots(bonus, prediction, 0, block - 1)
+            seq.draft = _Draft.from_slots(bonus, prediction, 0, block - 1, policy)
             return True
     return False

@@ -11,10 +11,8 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
-from models.cache import crop_to, keep_rows
-from models.inference import drafter_hidden, masked_logits
+from models.inference import decoder_runner, masked_logits
 from models.masks import BlockSpec, batch_layouts, block_layout
 
 
@@ -47,15 +45,16 @@ class BlockPrediction:
 
 
 class DraftEngine:
-    """Runs drafter passes for `rows` sequences sharing one batched `DynamicCache`.
+    """Runs drafter passes for `rows` sequences sharing one batched KV cache.
 
     Args:
         model: the drafter (`Qwen3ForCausalLM` with `block_size` and `mask_token_id` in its config).
         rows: number of sequences decoded in lockstep.
         fan_out: alternatives kept per slot (bonus-token guesses for async candidates).
+        lean: run the lean forward (models/lean.py) where it applies; False forces transformers'.
     """
 
-    def __init__(self, model: torch.nn.Module, rows: int = 1, fan_out: int = 4):
+    def __init__(self, model: torch.nn.Module, rows: int = 1, fan_out: int = 4, lean: bool = True):
         self.model = model
         self.block_size = model.config.block_size
         self.mask_id = model.config.mask_token_id
@@ -63,13 +62,34 @@ class DraftEngine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self._ready = None  # a CUDA event the next pass waits for (see mark_ready)
         self.rows = rows
-        self.cache = DynamicCache(config=model.config)
+        self.runner = decoder_runner(model, lean)
+        self.cache = self.runner.new_cache(rows)
         self.cache_lens = [0] * rows  # valid cached positions per row
         self.padded_len = 0  # key slots per row in the cache tensors
 
+    def mark_ready(self) -> None:
+        """Record, on the calling thread's current stream, the point the next pass must wait for.
+
+        The async decoder calls it before handing the packed pass to its worker thread: the pass then
+        waits for everything queued before that point (weight updates, uploads), but not for the
+        verify pass the caller queues right after, so the two still overlap.
+        """
+        if self.stream is not None:
+            self._ready = torch.cuda.current_stream(self.device).record_event()
+
     def _on_stream(self):
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        if self.stream is None:
+            return contextlib.nullcontext()
+        # Work queued on the default stream before this pass (a weight update, a layer copy, the caller's
+        # uploads) must finish before the drafter stream reads it.
+        if self._ready is not None:
+            self.stream.wait_event(self._ready)
+            self._ready = None
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.stream)
 
     @torch.inference_mode()
     def forward(self, requests: list[DraftRequest | None]) -> list[list[BlockPrediction]]:
@@ -92,7 +112,7 @@ class DraftEngine:
             input_ids = torch.full((len(inputs), q_max), self.mask_id, dtype=torch.long)
             for row, ids in enumerate(inputs):
                 input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            hidden = drafter_hidden(self.model, input_ids.to(self.device), batched, self.cache)
+            hidden = self.runner.forward(input_ids.to(self.device), batched.positions, batched.mask, self.cache)
             return self._read_blocks(hidden, layouts)
 
     def _read_blocks(self, hidden: torch.Tensor, layouts) -> list[list[BlockPrediction]]:
@@ -121,14 +141,14 @@ class DraftEngine:
         new_lens = [c + k for c, k in zip(self.cache_lens, counts)]
         with self._on_stream():
             if self.rows == 1:
-                crop_to(self.cache, self.padded_len + counts[0])
+                self.cache.crop(self.padded_len + counts[0])
             else:
                 new_padded = max(new_lens)
                 keep = torch.zeros(self.rows, new_padded, dtype=torch.long)
                 for r, (c, k) in enumerate(zip(self.cache_lens, counts)):
                     keep[r, :c] = torch.arange(c)
                     keep[r, c : c + k] = torch.arange(self.padded_len, self.padded_len + k)
-                keep_rows(self.cache, keep)
+                self.cache.keep_rows(keep)
         self.cache_lens = new_lens
         self.padded_len = max(new_lens) if self.rows > 1 else new_lens[0]
 

@@ -33,6 +33,7 @@ def summarize(results: list[DecodeResult], block_size: int | None) -> dict:
         "time_per_token_ms": 1000 * decode_s / tokens if tokens else None,
         "decode_s": decode_s,
         "prefill_s": sum(r.prefill_s for r in results),
+        "verify_width_mean": mean(rnd.width for rnd in rounds) if rounds else None,
     }
     if block_size is not None and results and results[0].decoder != "ar":
         histogram = [0] * block_size

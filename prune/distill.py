@@ -377,7 +377,7 @@ def generate_distillation_data(
     import torch
 
     from decode.prompts import tokenize_records
-    from models.checkpoint import sha256_file
+    from models.checkpoint import atomic_write_text, sha256_file
     from models.errors import CheckpointError, ConfigError, DataError
     from models.target import load_target, load_tokenizer
     from prune.progress import progress_bar
@@ -425,7 +425,7 @@ def generate_distillation_data(
     out_dir.mkdir(parents=True, exist_ok=True)
     record = {**settings, "target": str(target_dir), "eval_filter": eval_texts is not None,
               "eval_prompts_checked": len(eval_texts or []), "shards": -(-len(prompts) // shard_size)}
-    _write_atomic(manifest, json.dumps(record, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(manifest, json.dumps(record, indent=2, sort_keys=True) + "\n")
 
     records = [{**p, "prompt_ids": ids.input_ids}
                for p, ids in zip(prompts, tokenize_records([{"id": p["id"], "prompt": p["prompt"]} for p in prompts],
@@ -449,7 +449,7 @@ def generate_distillation_data(
                 for row, (ids, stopped) in zip(rows, responses):
                     row["response_ids"], row["stopped"] = ids, stopped
                 advance(len(rows))
-            _write_atomic(out_dir / f"shard-{n:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in shard))
+            atomic_write_text(out_dir / f"shard-{n:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in shard))
     return out_dir
 
 
@@ -505,10 +505,3 @@ def load_distillation_data(folder: str | os.PathLike, partial: bool = False) -> 
         records += [json.loads(line) for line in shard.read_text().splitlines() if line.strip()]
     return records
 
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text(text)
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)

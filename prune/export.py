@@ -3,7 +3,9 @@
 The folder is written atomically (models.checkpoint.atomic_folder through save_drafter): safetensors with no
 tensor of a removed layer, a config whose `original_layer_indices` name the kept layers (0-based, in the
 unpruned drafter), the tokenizer files and `generation_config.json` of the source, a model card with the
-pruning history, and `prune_report.json` holding the settings, the history and the sha256 of every other file.
+pruning history and the dtype of the weights, and `prune_report.json` holding the settings, the history, the
+dtype and the sha256 of every other file. Exports keep the dtype the source drafter is stored in unless told
+otherwise (`resolve_export_dtype`).
 """
 
 import json
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from models.checkpoint import folder_hashes
+from models.checkpoint import folder_hashes, stored_dtype
 from models.drafter import save_drafter
 
 from . import __version__
@@ -20,8 +22,8 @@ from . import __version__
 REPORT_NAME = "prune_report.json"
 
 
-def model_card(history: list[dict], source: str) -> str:
-    """A README for an exported drafter: what it is, how to load it, and the pruning history table."""
+def model_card(history: list[dict], source: str, dtype: str) -> str:
+    """A README for an exported drafter: what it is, its dtype (a torch name), how to load it, the history table."""
     rows = "\n".join(
         f"| {h['step']} | {h.get('removed_original', '-')} | {h['layers']} | {_fmt(h.get('tau_before_heal'))} | "
         f"{_fmt(h.get('tau'))} | {_fmt(h.get('retention'))} | {_fmt(h.get('predicted_speedup'))} |"
@@ -29,9 +31,11 @@ def model_card(history: list[dict], source: str) -> str:
     )
     return f"""# Pruned block-diffusion drafter
 
-Exported by d3d-prune {__version__} from `{source}`. A plain `Qwen3ForCausalLM` checkpoint: load it with
-`AutoModelForCausalLM.from_pretrained(folder)`. `config.json` carries `block_size`, `mask_token_id` and
-`original_layer_indices` (the 0-based indices, in the unpruned drafter, of the layers kept here).
+Exported by d3d-prune {__version__} from `{source}`. Weights are stored in **{dtype}**.
+
+A plain `Qwen3ForCausalLM` checkpoint: load it with `AutoModelForCausalLM.from_pretrained(folder)`.
+`config.json` carries `block_size`, `mask_token_id` and `original_layer_indices` (the 0-based indices,
+in the unpruned drafter, of the layers kept here).
 
 | step | removed (original index) | layers | tau before heal | tau | retention | predicted speedup |
 |---|---|---|---|---|---|---|
@@ -45,25 +49,52 @@ def _fmt(value) -> str:
     return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
+def resolve_export_dtype(name: str | None, source_dir) -> torch.dtype:
+    """The dtype to export in: `name` ("float32", "bfloat16", "float16"), or, when it is None or "source",
+    the dtype the weights in `source_dir` are stored in (a bfloat16 drafter gives bfloat16 steps)."""
+    if name in (None, "source"):
+        name = stored_dtype(source_dir)
+    return getattr(torch, name)
+
+
+def round_to_dtype(model, dtype: torch.dtype):
+    """Round `model`'s parameters in place to values `dtype` can hold, keeping their dtype; returns `model`.
+
+    A run computes in one dtype (float32 by default) and may export in a narrower one. Rounding what it
+    measures and keeps working on makes the recorded tau that of the exported weights, and makes the next
+    step start from exactly those weights, as a resumed run (which reloads them) does. Buffers are left
+    alone: they are not saved (rotary frequencies are recomputed on loading).
+    """
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dtype != dtype:
+                parameter.copy_(parameter.to(dtype))
+    return model
+
+
 def export_step(model, folder, source_dir, report: dict, history: list[dict], dtype: torch.dtype | None = None,
                 overwrite: bool = False) -> Path:
     """Write `model` as a drafter folder with its model card and report; returns the folder.
 
     Args:
         source_dir: the unpruned drafter's folder (tokenizer files and generation_config.json come from it).
-        report: JSON-ready settings and scores; the file hashes are added under "files".
+        report: JSON-ready settings and scores; the dtype and the file hashes are added ("dtype", "files").
         history: one dict per step (step, removed_original, layers, tau_before_heal, tau, retention, ...).
+        dtype: the dtype of the saved weights (None: the model's own).
     """
     source_dir = Path(source_dir)
+    dtype_name = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
 
     def finish(tmp: Path) -> None:
         if (source_dir / "generation_config.json").is_file():
             shutil.copy2(source_dir / "generation_config.json", tmp / "generation_config.json")
-        full = {**report, "tool_version": __version__, "history": history, "files": folder_hashes(tmp)}
+        full = {**report, "tool_version": __version__, "dtype": dtype_name, "history": history,
+                "files": folder_hashes(tmp)}
         (tmp / REPORT_NAME).write_text(json.dumps(full, indent=2, sort_keys=True, default=str) + "\n")
 
     return save_drafter(model, folder, tokenizer_source=source_dir, overwrite=overwrite, dtype=dtype,
-                        extra_files={"README.md": model_card(history, str(source_dir))}, before_commit=finish)
+                        extra_files={"README.md": model_card(history, str(source_dir), dtype_name)},
+                        before_commit=finish)
 
 
 def verify_export(folder) -> list[str]:

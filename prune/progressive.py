@@ -6,27 +6,27 @@ exports the step to OUT/step-XX and records it in OUT/state.json. The run stops 
 retention floor, or when predicted speedup stops improving (a step that breaks a rule is not taken); the
 state says which rule stopped it. A run resumes from its last completed step.
 
-Predicted speedup uses pass times measured once on the unpruned drafter and stored in the state, scaled
-by layer count (small drafters are bound by per-layer cost), so decisions never depend on the timing of
-a later step and a resumed run decides exactly as an uninterrupted one.
+Predicted speedup (decode.cost) uses pass times measured once at the start and stored in the state: the
+target's, and the drafter's as affine functions of depth (fitted on the unpruned drafter and a half-depth
+copy), so decisions never depend on the timing noise of a later step and a resumed run decides exactly
+as an uninterrupted one.
 """
 
 import functools
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from models.checkpoint import ensure_writable_output
+from models.checkpoint import atomic_write_text, ensure_writable_output
 from models.drafter import load_drafter
 from models.errors import CheckpointError, ConfigError
 from models.surgery import remove_layers
 
-from .export import export_step
+from .export import export_step, resolve_export_dtype, round_to_dtype
 from .heal import HealConfig, heal
 from .progress import progress_bar
 from .report import write_report
-from .scoring import Evaluation, ScoreConfig, evaluate, pass_times_ms, score_layers, target_times_ms
+from .scoring import Evaluation, ScoreConfig, evaluate, score_layers
 
 STATE_NAME = "state.json"
 _silent = functools.partial(progress_bar, enabled=False)
@@ -66,42 +66,70 @@ class RunConfig:
         self.heal.validate()
 
 
-def _save_state(out: Path, state: dict) -> None:
-    tmp = out / f".{STATE_NAME}.tmp"
-    tmp.write_text(json.dumps(state, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, out / STATE_NAME)
+def save_state(out, state: dict) -> None:
+    """Write OUT/state.json atomically."""
+    out = Path(out)
+    atomic_write_text(out / STATE_NAME, json.dumps(state, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def campaign_times(timing: dict, layers: int):
+    """decode.cost.PassTimes of this campaign's target with a `layers`-layer drafter (None without target times).
+
+    Reads the state's timing, including the older form `{"layers", "draft_ms", "packed_ms", "verify_ms",
+    "ar_ms"}` (scaled by layer count, verify of the drafter's block of 16, no contention).
+    """
+    from decode.cost import LayerCost, PassTimes
+
+    if "target" not in timing:  # a state written before the cost model
+        if timing.get("verify_ms") is None:
+            return None
+        per_layer = timing["draft_ms"] / timing["layers"], timing["packed_ms"] / timing["layers"]
+        slope = (timing["verify_ms"] - timing["ar_ms"]) / 15
+        return PassTimes(timing["ar_ms"], slope, per_layer[0] * layers, per_layer[1] * layers, contention=0.0)
+    if timing["target"] is None:
+        return None
+    draft, packed = LayerCost(*timing["draft"]), LayerCost(*timing["packed"])
+    return PassTimes(**timing["target"]).with_drafter(draft.at(layers), packed.at(layers))
+
+
+def packed_ms_at(timing: dict, layers: int) -> float:
+    """Modelled packed-pass time (ms) of a `layers`-layer drafter of this campaign."""
+    from decode.cost import LayerCost
+
+    if "packed" not in timing:
+        return timing["packed_ms"] * layers / timing["layers"]
+    return LayerCost(*timing["packed"]).at(layers)
 
 
 def predicted_speedup_at(evaluation, layers: int, timing: dict) -> float | None:
-    """Predicted speedup of a drafter with `layers` layers from the campaign's timing (see module docstring)."""
-    if timing.get("verify_ms") is None:
-        return None
-    scale = layers / timing["layers"]
-    round_ms = max(timing["verify_ms"], timing["packed_ms"] * scale)
-    round_ms += (evaluation.fallback_rate or 0.0) * timing["draft_ms"] * scale
-    return evaluation.tau * timing["ar_ms"] / round_ms
+    """Predicted async speedup of a `layers`-layer drafter measured as `evaluation` (see the module docstring)."""
+    return evaluation.predicted_speedup(campaign_times(timing, layers))
 
 
-def measure_timing(drafter, score: ScoreConfig, target=None) -> dict:
-    """Pass times (ms) of the unpruned `drafter` and of the target, the basis of every predicted speedup.
+def measure_timing(drafter, score: ScoreConfig, target=None, times=None) -> dict:
+    """Pass times of the unpruned `drafter` and of the target, the basis of every predicted speedup.
 
-    Returns `{"layers", "draft_ms", "packed_ms", "verify_ms", "ar_ms"}` (target times None without a target).
+    `times`: the pair's decode.cost.PassTimes when already measured (the adaptive width's); else measured.
+
+    Returns `{"layers", "draft": [fixed_ms, per_layer_ms], "packed": [...], "target": PassTimes as a dict or
+    None without a target}`.
     """
-    draft_ms, packed_ms = pass_times_ms(drafter, score)
-    verify_ms = ar_ms = None
-    if target is not None:
-        verify_ms, ar_ms = target_times_ms(target, drafter.config.block_size, score.timing_repeats)
-    return {"layers": drafter.config.num_hidden_layers, "draft_ms": draft_ms, "packed_ms": packed_ms,
-            "verify_ms": verify_ms, "ar_ms": ar_ms}
+    from decode.timing import drafter_layer_costs, measure_pass_times
+
+    draft, packed = drafter_layer_costs(drafter, score.decode.packed_budget, score.timing_repeats)
+    if times is None and target is not None:
+        times = measure_pass_times(target, drafter, score.decode, score.timing_repeats)
+    return {"layers": drafter.config.num_hidden_layers, "draft": [draft.fixed_ms, draft.per_layer_ms],
+            "packed": [packed.fixed_ms, packed.per_layer_ms], "target": times.to_dict() if times else None}
 
 
 def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=None, trajectories=None,
                 heal_examples=None, resume: bool = False, log=print, on_step=None, progress=None,
-                timing: dict | None = None) -> dict:
+                timing: dict | None = None, export_dtype: str | None = None) -> dict:
     """Run (or resume) a pruning campaign into folder `out`; returns the final state.
 
     Args:
-        drafter: the unpruned drafter (float32 recommended: exports keep its dtype).
+        drafter: the unpruned drafter, in the compute dtype (float32 recommended).
         source_dir: its folder (tokenizer files, generation config and provenance for the exports).
         prompts: calibration prompts (token ids); trajectories: their recorded target trajectories (replay).
         heal_examples: distillation `Example`s for healing (None or empty disables healing).
@@ -113,15 +141,20 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
             once per scored layer (e.g. `prune.progress.progress_bar`).
         timing: `measure_timing` of this drafter, measured once by the caller (sweeps share one per study so
             that trials compare tau, not timing noise); None measures it here.
+        export_dtype: dtype of the exported steps ("float32", "bfloat16", "float16"); None or "source": the
+            dtype `source_dir`'s weights are stored in. Steps are measured as rounded to it (round_to_dtype).
     """
     out = Path(out)
     state_file = out / STATE_NAME
+    dtype = resolve_export_dtype(export_dtype, source_dir)
     if resume and state_file.is_file():
         state = json.loads(state_file.read_text())
         if state["config"] != config_record(config):
             raise ConfigError(f"{out} holds a run with other settings; resume it with the same flags or choose "
                               "another --out")
-        current = load_drafter(out / state["history"][-1]["folder"]) if state["history"] else drafter
+        compute = next(drafter.parameters())
+        current = (load_drafter(out / state["history"][-1]["folder"], compute.dtype, compute.device)
+                   if state["history"] else drafter)
         log(f"resuming {out} after step {len(state['history'])}")
     else:
         if not resume:
@@ -137,7 +170,7 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
         state["base"] = {"tau": base.tau, "fallback_rate": base.fallback_rate,
                          "predicted_speedup": predicted_speedup_at(base, drafter.config.num_hidden_layers,
                                                                    state["timing"])}
-        _save_state(out, state)
+        save_state(out, state)
         current = drafter
     base_tau = state["base"]["tau"]
     removed_total = sum(len(h["removed_original"]) for h in state["history"])
@@ -155,17 +188,18 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
             break
         with (progress or _silent)(f"step {len(state['history']) + 1}: scoring", layers) as advance:
             scores = score_layers(current, prompts, config.score, target=target, trajectories=trajectories,
-                                  on_layer=lambda *_: advance())
+                                  on_layer=lambda *_: advance(), times=campaign_times(state["timing"], layers))
         chosen = sorted(s.layer for s in scores.ranking()[:k])
-        reduced = remove_layers(current, chosen)
+        reduced = round_to_dtype(remove_layers(current, chosen), dtype)
         if k == 1:  # scoring already measured the drafter without exactly this layer
             removed = scores.layers[chosen[0]]
-            before = Evaluation([], removed.tau_without, None, removed.fallback_rate)
+            before = Evaluation([], removed.tau_without, None, removed.fallback_rate, removed.verify_width)
         else:
             before = evaluate(reduced, prompts, config.score, trajectories, target)
         healed, losses, rolled_back = reduced, [], False
         if heal_examples and config.heal.steps > 0:
             candidate, losses = heal(reduced, heal_examples, config.heal)
+            candidate = round_to_dtype(candidate, dtype)  # judge the heal by the weights that are exported
             after = evaluate(candidate, prompts, config.score, trajectories, target)
             if after.tau >= before.tau:
                 healed, measured = candidate, after
@@ -199,7 +233,8 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
         try:
             export_step(healed, out / record["folder"], source_dir,
                         {"settings": state["config"], "base": state["base"], "timing": state["timing"]},
-                        [{k: v for k, v in h.items() if k != "scores"} for h in history], overwrite=True)
+                        [{k: v for k, v in h.items() if k != "scores"} for h in history], dtype=dtype,
+                        overwrite=True)
         except OSError as exc:
             raise CheckpointError(
                 f"could not write {out / record['folder']} ({exc.strerror or exc}); the run is intact up to step "
@@ -210,12 +245,12 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
         current = healed
         log(f"step {step}: removed original layers {record['removed_original']}, tau {measured.tau:.3f} "
             f"(retention {retention:.4f})")
-        _save_state(out, state)
+        save_state(out, state)
         if on_step is not None:
             reason = on_step(record, state)
             if reason:
                 state["stopped_by"] = str(reason)
-    _save_state(out, state)
+    save_state(out, state)
     _link_final(out, state)
     write_report(out, state)
     return state

@@ -35,8 +35,29 @@ def _markdown(state: dict, plots: list[Path]) -> str:
         speedup = "-" if h["predicted_speedup"] is None else f"{h['predicted_speedup']:.2f}x"
         lines.append(f"| {h['step']} | {h['removed_original']} | {h['layers']} | {h['tau_before_heal']:.3f} | "
                      f"{h['tau']:.3f} | {h['retention']:.4f} | {heal} | {speedup} |")
+    lines += _speed_lines(state.get("speed"))
     lines += ["", *[f"![{p.stem}]({p.name})" for p in plots], ""]
     return "\n".join(lines)
+
+
+def _speed_lines(speed: dict | None) -> list[str]:
+    """The measured speed check (prune.speed), predicted beside measured."""
+    if not speed:
+        return []
+    lines = ["", f"Measured on {speed['prompts']} held-out prompts ({speed['source']}, {speed['max_new_tokens']} "
+             "tokens, live target, async decoder, interleaved with ar):", "",
+             "| drafter | tau | measured speedup | predicted speedup | limit | exact |", "|---|---|---|---|---|---|"]
+    for name in ("base", "final"):
+        if name in speed:
+            row = speed[name]
+            cells = [_num(row.get("tau"), "{:.3f}")] + [_num(row.get(k), "{:.2f}x") for k in
+                                                        ("measured_speedup", "predicted_speedup", "speedup_limit")]
+            lines.append(f"| {'unpruned' if name == 'base' else 'final'} | {' | '.join(cells)} | {row.get('exact')} |")
+    return lines
+
+
+def _num(value, form: str) -> str:
+    return "-" if value is None else form.format(value)
 
 
 def _pyplot():

@@ -6,26 +6,25 @@ its greedy trajectory, and every evaluation after that costs drafter passes only
 into one drafter pass); `verify="live"` runs the target in every evaluation. A paired bootstrap over
 prompts gives a confidence interval per layer, so a too-small calibration set shows as wide intervals.
 
-The `speedup` criterion scores a layer by the drop in predicted speedup instead: the async round is
-modelled as max(verify pass, packed pass) + fallback rate x sync draft pass, with pass times measured
-on this machine, and predicted speedup = tau x (ar time per token) / (round time).
+The `speedup` criterion scores a layer by the drop in predicted async speedup instead (decode.cost: the
+target's pass times measured once, each reduced drafter's own pass times, its tau, verify width and
+fallback rate).
 """
 
 import hashlib
 import json
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from decode import cost
 from decode.decoders import DecodeConfig, DecodeResult, decode_ar, decode_speculative
-from decode.engine import DraftEngine, DraftRequest
 from decode.metrics import summarize
+from decode.timing import drafter_pass_ms, measure_pass_times
 from decode.verifiers import LiveVerifier, ReplayVerifier
+from models.checkpoint import atomic_write_text
 from models.errors import ConfigError
-from models.masks import BlockSpec
 from models.surgery import remove_layers
 
 CRITERIA = ("tau", "speedup")
@@ -67,17 +66,25 @@ class ScoreConfig:
 
 @dataclass
 class Evaluation:
-    """The async decoder's measurements of one drafter on the calibration prompts."""
+    """The async decoder's measurements of one drafter on the calibration prompts (width: mean verify width)."""
 
     tau_per_prompt: list[float]
     tau: float
     hit_rate: float | None
     fallback_rate: float | None
+    width: float | None = None
 
     @classmethod
     def of(cls, results: list[DecodeResult], block_size: int) -> "Evaluation":
         summary = summarize(results, block_size)
-        return cls(summary["tau_per_prompt"], summary["tau_macro"], summary["hit_rate"], summary["fallback_rate"])
+        return cls(summary["tau_per_prompt"], summary["tau_macro"], summary["hit_rate"], summary["fallback_rate"],
+                   summary["verify_width_mean"])
+
+    def predicted_speedup(self, times: cost.PassTimes | None) -> float | None:
+        """Predicted async speedup of this drafter with pass times `times` (None without target times)."""
+        if times is None or self.width is None:
+            return None
+        return cost.predicted_speedup("async", times, self.tau, self.width, self.fallback_rate or 0.0)
 
 
 @dataclass
@@ -95,6 +102,7 @@ class LayerScore:
     packed_pass_ms: float
     predicted_speedup: float | None
     score: float
+    verify_width: float | None = None
 
 
 @dataclass
@@ -109,6 +117,7 @@ class ScoreReport:
     target_ar_ms: float | None
     layers: list[LayerScore]
     settings: dict
+    pass_times: dict | None = None
 
     def ranking(self) -> list[LayerScore]:
         """Layers from least to most harmful to remove."""
@@ -138,55 +147,6 @@ def evaluate(drafter, prompts, config: ScoreConfig, trajectories=None, target=No
     return Evaluation.of(results, block)
 
 
-def pass_times_ms(drafter, config: ScoreConfig, context: int = 64) -> tuple[float, float]:
-    """Median wall time (ms) of a sync draft pass and of a full-budget packed pass after `context` tokens."""
-    block = drafter.config.block_size
-    ids = (torch.arange(context) % max(2, drafter.config.mask_token_id)).tolist()
-    chain = ids[:block]  # the tokens' values do not change the cost
-    candidates = max(1, min(block - 1, config.decode.packed_budget // (block + 1)))
-    requests = {
-        "draft": DraftRequest(chain[:1], [BlockSpec(context)]),
-        "packed": DraftRequest(chain, [BlockSpec(context + a, guess=chain[a]) for a in range(candidates)]),
-    }
-    engine = DraftEngine(drafter, rows=1)
-    engine.forward([DraftRequest(ids, [])])
-    engine.keep([context])
-    times = {}
-    for name, request in requests.items():
-        samples = []
-        for _ in range(config.timing_repeats + 1):  # the first run warms up
-            start = time.perf_counter()
-            engine.forward([request])
-            samples.append(1000 * (time.perf_counter() - start))
-            engine.keep([0])  # back to the same `context` cached tokens for the next sample
-        times[name] = statistics.median(samples[1:])
-    return times["draft"], times["packed"]
-
-
-def target_times_ms(target, block: int, repeats: int, context: int = 64) -> tuple[float, float]:
-    """Median wall time (ms) of a target verify pass of `block` tokens and of a one-token (ar) pass."""
-    ids = (torch.arange(context) % 100).tolist()
-    times = []
-    for fed in (block, 1):
-        samples = []
-        for _ in range(repeats + 1):
-            verifier = LiveVerifier(target)
-            verifier.prefill(ids)
-            start = time.perf_counter()
-            verifier.verify(ids[:fed])
-            samples.append(1000 * (time.perf_counter() - start))
-        times.append(statistics.median(samples[1:]))
-    return times[0], times[1]
-
-
-def predicted_speedup(evaluation: Evaluation, draft_ms: float, packed_ms: float, verify_ms, ar_ms) -> float | None:
-    """tau x ar time per token / modelled async round time (ideal overlap of verify and packed pass)."""
-    if verify_ms is None or ar_ms is None:
-        return None
-    round_ms = max(verify_ms, packed_ms) + (evaluation.fallback_rate or 0.0) * draft_ms
-    return evaluation.tau * ar_ms / round_ms
-
-
 def bootstrap_interval(deltas: list[float], resamples: int, confidence: float, seed: int) -> tuple[float, float]:
     """Percentile interval of the mean of `deltas` under resampling prompts with replacement."""
     values = torch.tensor(deltas, dtype=torch.float64)
@@ -199,7 +159,7 @@ def bootstrap_interval(deltas: list[float], resamples: int, confidence: float, s
 
 
 def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=None, trajectories=None,
-                 on_layer=None) -> ScoreReport:
+                 on_layer=None, times: cost.PassTimes | None = None) -> ScoreReport:
     """Score every layer of `drafter` (see the module docstring).
 
     Args:
@@ -208,6 +168,8 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
             are given, and for the target pass times of the speedup prediction.
         trajectories: recorded greedy trajectories (prompt + output) per prompt, for replay.
         on_layer: optional callback(layer index, LayerScore) after each layer, e.g. a progress bar.
+        times: the pair's pass times (decode.timing.measure_pass_times); None measures them when a target
+            is given. The target's times are shared by every layer; each reduced drafter's are its own.
     """
     config.validate()
     if config.verify == "replay" and trajectories is None:
@@ -217,12 +179,11 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
     if config.verify == "live" and target is None:
         raise ConfigError("live scoring needs the target model")
     block = config.decode.block_size or drafter.config.block_size
-    verify_ms = ar_ms = None
-    if target is not None:
-        verify_ms, ar_ms = target_times_ms(target, block, config.timing_repeats)
+    if times is None and target is not None:
+        times = measure_pass_times(target, drafter, config.decode, config.timing_repeats)
     base = evaluate(drafter, prompts, config, trajectories, target)
-    base_draft_ms, base_packed_ms = pass_times_ms(drafter, config)
-    base_speedup = predicted_speedup(base, base_draft_ms, base_packed_ms, verify_ms, ar_ms)
+    base_draft_ms, base_packed_ms = drafter_pass_ms(drafter, config.decode.packed_budget, config.timing_repeats)
+    base_speedup = base.predicted_speedup(times and times.with_drafter(base_draft_ms, base_packed_ms))
     if config.criterion == "speedup" and base_speedup is None:
         raise ConfigError("the speedup criterion needs the target's pass times; pass the target")
     original = list(getattr(drafter.config, "original_layer_indices", None) or range(drafter.config.num_hidden_layers))
@@ -232,19 +193,22 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
         evaluation = evaluate(reduced, prompts, config, trajectories, target)
         deltas = [b - r for b, r in zip(base.tau_per_prompt, evaluation.tau_per_prompt)]
         low, high = bootstrap_interval(deltas, config.bootstrap, config.confidence, config.seed + layer)
-        draft_ms, packed_ms = pass_times_ms(reduced, config)
-        speedup = predicted_speedup(evaluation, draft_ms, packed_ms, verify_ms, ar_ms)
+        draft_ms, packed_ms = drafter_pass_ms(reduced, config.decode.packed_budget, config.timing_repeats)
+        speedup = evaluation.predicted_speedup(times and times.with_drafter(draft_ms, packed_ms))
         delta = base.tau - evaluation.tau
         score = delta if config.criterion == "tau" else base_speedup - speedup
         scores.append(LayerScore(layer, original[layer], evaluation.tau, evaluation.fallback_rate, delta, low, high,
-                                 draft_ms, packed_ms, speedup, score))
+                                 draft_ms, packed_ms, speedup, score, evaluation.width))
         if on_layer is not None:
             on_layer(layer, scores[-1])
         del reduced
     settings = {"criterion": config.criterion, "verify": config.verify, "decode": asdict(config.decode),
                 "prompts": len(prompts), "bootstrap": config.bootstrap, "confidence": config.confidence,
                 "seed": config.seed, "layers": "0-based; original_layer = index in the unpruned drafter"}
-    return ScoreReport(base, base_draft_ms, base_packed_ms, base_speedup, verify_ms, ar_ms, scores, settings)
+    verify_ms = times.verify_ms(base.width or block) if times is not None else None
+    return ScoreReport(base, base_draft_ms, base_packed_ms, base_speedup, verify_ms,
+                       times.ar_ms if times is not None else None, scores, settings,
+                       times.to_dict() if times is not None else None)
 
 
 def fingerprint(*parts) -> str:
@@ -260,6 +224,21 @@ def fingerprint(*parts) -> str:
     return digest.hexdigest()
 
 
+def trajectory_key(target, prompts: list[list[int]], decode: DecodeConfig) -> str:
+    """The cache key of recorded target trajectories, the same in score, run and sweep: the target's
+    weights, dtype and device (near-tie argmaxes differ across them), the prompts and the stop rule."""
+    weight = next(target.parameters())
+    return fingerprint("trajectories", target, str(weight.dtype), str(weight.device), prompts,
+                       decode.max_new_tokens, sorted(decode.stop_ids))
+
+
+def cached_trajectories(folder: Path | None, target, prompts: list[list[int]], decode: DecodeConfig) -> list:
+    """`record_trajectories`, cached under `folder` by `trajectory_key` (no cache when folder is None)."""
+    key = trajectory_key(target, prompts, decode)
+    return cached_json(folder and Path(folder) / "trajectories", key,
+                       lambda: record_trajectories(target, prompts, decode))
+
+
 def cached_json(folder: Path | None, key: str, compute):
     """`compute()` once per key: the JSON result is kept in `folder/key.json` (written atomically)."""
     if folder is None:
@@ -268,8 +247,5 @@ def cached_json(folder: Path | None, key: str, compute):
     if file.is_file():
         return json.loads(file.read_text())
     result = compute()
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, sort_keys=True))
-    tmp.replace(file)
+    atomic_write_text(file, json.dumps(result, sort_keys=True))
     return result

@@ -45,6 +45,12 @@ METRICS = {
     "final/retention": "summary: its retention",
     "final/predicted_speedup": "summary: its predicted speedup",
     "final/layers": "summary: layers left",
+    "base/measured_speedup": "summary: unpruned async speedup over ar, measured on held-out prompts (prune.speed)",
+    "base/measured_predicted_speedup": "summary: the cost model's speedup for that measurement",
+    "base/heldout_tau": "summary: unpruned tau on the held-out prompts of the speed check",
+    "final/measured_speedup": "summary: final async speedup over ar, measured beside the unpruned one",
+    "final/measured_predicted_speedup": "summary: the cost model's speedup for that measurement",
+    "final/heldout_tau": "summary: final tau on the held-out prompts of the speed check",
     "final/layers_removed": "summary: layers removed",
     "final/stopped_by": "summary: the stop rule that ended the run",
     "sweep/eval_tau": "summary (trials): tau of the final drafter on the sweep's evaluation prompts",
@@ -273,6 +279,11 @@ class Tracker:
             "final/layers": last["layers"] if last else state["timing"]["layers"],
             "final/layers_removed": state["timing"]["layers"] - (last["layers"] if last else state["timing"]["layers"]),
         }))
+        for name in ("base", "final"):
+            measured = (state.get("speed") or {}).get(name) or {}
+            run.summary.update(_numbers({f"{name}/measured_speedup": measured.get("measured_speedup"),
+                                         f"{name}/measured_predicted_speedup": measured.get("predicted_speedup"),
+                                         f"{name}/heldout_tau": measured.get("tau")}))
         run.summary["final/stopped_by"] = str(state["stopped_by"])
         if last is not None and out is not None:
             folder = (out / last["folder"]).resolve()

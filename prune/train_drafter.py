@@ -174,6 +174,7 @@ class BestWeights:
         """`callback` (a `train` callback returning the held-out metrics), recording a new best on the way."""
         import torch
 
+        from models.checkpoint import atomic_file
         from models.objective import causal_lm
 
         def recording(step, model):
@@ -181,10 +182,8 @@ class BestWeights:
             score = metrics.get(self.metric)
             if score is not None and score > self.score:
                 state = {k: v.detach().to("cpu", copy=True) for k, v in causal_lm(model).state_dict().items()}
-                self.file.parent.mkdir(parents=True, exist_ok=True)
-                partial = self.file.with_suffix(".tmp")
-                torch.save({"step": step, "score": score, "state": state}, partial)
-                partial.replace(self.file)
+                with atomic_file(self.file) as partial:
+                    torch.save({"step": step, "score": score, "state": state}, partial)
                 self.step, self.score = step, score
             return metrics
 

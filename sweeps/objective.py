@@ -18,7 +18,7 @@ between trials with different per-step k), and the pruner (median by default) ma
 then ends after that step (OUT/final and the report are written) and the trial is PRUNED. Optuna's
 pruners handle single-objective studies only, so multi-objective trials are never pruned.
 
-Predicted speedups and packed-pass costs scale one timing of the unpruned drafter and the target,
+Predicted speedups and packed-pass costs come from one timing (decode.cost) of the drafter and the target,
 measured by the study's first trial and stored in the study's user attributes (`timing/packed_budget=N`):
 trials compare what they pruned, not how busy the machine was while each one measured.
 
@@ -53,6 +53,7 @@ class SweepConfig:
         cost: the cost objective of the multi-objective mode: "layers" or "packed_ms".
         seed: seeds the samplers (per trial number, so workers never repeat each other's draws).
         score, heal: campaign settings that the search space does not set (decoding, verify, batch...).
+        export_dtype: dtype of the trials' exported steps; "source": the dtype the drafter is stored in.
     """
 
     study: str
@@ -63,6 +64,7 @@ class SweepConfig:
     seed: int = 0
     score: ScoreConfig = field(default_factory=ScoreConfig)
     heal: HealConfig = field(default_factory=HealConfig)
+    export_dtype: str = "source"
 
     @property
     def multi_objective(self) -> bool:
@@ -240,7 +242,8 @@ class PruningObjective:
                                 target=self.data.target, trajectories=trajectories,
                                 heal_examples=self.data.heal_examples if run_config.heal.steps else None,
                                 log=lambda message: self.log(f"trial {trial.number}: {message}"), on_step=on_step,
-                                timing=self.study_timing(trial, run_config.score))
+                                timing=self.study_timing(trial, run_config.score),
+                                export_dtype=self.config.export_dtype)
             metrics = self.measure(state, out)
         except BaseException:
             if tracker is not None:
@@ -263,7 +266,7 @@ class PruningObjective:
     def measure(self, state: dict, out: Path) -> dict:
         """What a finished campaign achieved, on its calibration prompts and on the evaluation prompts."""
         from models.drafter import load_drafter
-        from prune.progressive import predicted_speedup_at
+        from prune.progressive import packed_ms_at, predicted_speedup_at
         from prune.scoring import evaluate
 
         timing, base = state["timing"], self.base_evaluation()
@@ -277,7 +280,7 @@ class PruningObjective:
             checkpoint, layers = str(out.resolve() / "final"), last["layers"]
             del drafter
         speedup = predicted_speedup_at(final, layers, timing)
-        packed_ms = timing["packed_ms"] * layers / timing["layers"]
+        packed_ms = packed_ms_at(timing, layers)
         return {
             "checkpoint": str(checkpoint), "tau": last["tau"] if last else state["base"]["tau"],
             "retention": last["retention"] if last else 1.0, "eval_tau": final.tau,

@@ -14,6 +14,9 @@ import torch
 # made this suite 5-10x slower (measured: 7 s with one thread, 66 s with two, under a concurrent load).
 # Set D3D_TEST_THREADS to use more, e.g. for integration tests on the demo pair.
 torch.set_num_threads(int(os.environ.get("D3D_TEST_THREADS", "1")))
+# `--dtype auto` picks bfloat16 on CPUs with native bf16; the suite asserts float32 exactness on every
+# machine, so auto resolves to float32 here (tests/test_precision.py mocks the detection itself).
+os.environ["D3D_PRUNE_AUTO_DTYPE"] = "float32"
 # Commands log to W&B by default; tests do not, except those about tracking (they set WANDB_MODE themselves).
 os.environ["WANDB_MODE"] = "disabled"
 

@@ -41,19 +41,27 @@ def test_bench_json_report(pair_dirs, capsys, tmp_path):
     outputs = tmp_path / "out.jsonl"
     assert main(bench_args(pair_dirs, "--json", "-", "--save-outputs", str(outputs))) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["prompts"] == 3 and set(report["decoders"]) == {"ar", "sync", "async"}
+    assert report["prompts"] == 3 and set(report["decoders"]) == {"ar", "sync", "async", "pld", "generate"}
+    assert report["settings"]["drafter"] == str(pair_dirs / "drafter") and report["settings"]["drafter_layers"] == 2
     for name in ("sync", "async"):
         entry = report["decoders"][name]
         assert entry["exact_match_vs_ar"] is True
         for key in ("tau_macro", "tau_micro", "tokens_per_s", "time_per_token_ms", "speedup_vs_ar",
                     "acceptance_histogram", "per_position_acceptance"):
             assert key in entry
+    for name in ("pld", "generate"):  # transformers' greedy generate() agrees with our ar in float32
+        entry = report["decoders"][name]
+        assert entry["exact_match_vs_ar"] is True and entry["tau_macro"] is None
+        assert entry["time_per_token_ms"] is not None and entry["speedup_vs_ar"] is not None
     assert report["decoders"]["ar"]["exact_match_vs_ar"] is None
     for key in ("hit_rate", "fallback_rate", "packed_tokens_mean", "time_split_ms"):
         assert key in report["decoders"]["async"]
     lines = [json.loads(line) for line in outputs.read_text().splitlines()]
-    assert len(lines) == 9 and {line["decoder"] for line in lines} == {"ar", "sync", "async"}
+    assert len(lines) == 15 and {line["decoder"] for line in lines} == {"ar", "sync", "async", "pld", "generate"}
     assert {line["id"] for line in lines} == {"p0", "p1", "p2"}
+    speculative = [line for line in lines if line["decoder"] in ("sync", "async")]
+    assert {line.get("drafter") for line in speculative} == {str(pair_dirs / "drafter")}
+    assert sum("drafter" in line for line in lines) == len(speculative) == 6
 
 
 def test_bench_replay_matches_live_tau(pair_dirs, capsys):
@@ -104,6 +112,81 @@ def test_bench_reuses_recorded_ar_outputs(pair_dirs, capsys, tmp_path):
     partial = tmp_path / "partial.jsonl"
     partial.write_text("".join(line + "\n" for line in saved.read_text().splitlines() if '"p1"' not in line))
     assert "'p1'" in error_of(capsys, bench_args(pair_dirs, "--verify", "replay", "--ar-outputs", str(partial)))
+
+
+@pytest.fixture(scope="module")
+def second_drafter(pair_dirs):
+    """Another drafter for the pair's target: one layer, blocks of 3."""
+    return str(save_drafter(build_tiny_drafter(num_hidden_layers=1, block_size=3, seed=1), pair_dirs / "drafter-b"))
+
+
+def test_bench_several_drafters_share_one_ar_run(pair_dirs, second_drafter, capsys, tmp_path, monkeypatch):
+    import decode.bench
+
+    ar_runs, decode_ar = [], decode.bench.decode_ar
+    monkeypatch.setattr(decode.bench, "decode_ar", lambda *args: ar_runs.append(1) or decode_ar(*args))
+    first, saved = str(pair_dirs / "drafter"), tmp_path / "out.jsonl"
+    assert main(bench_args(pair_dirs, "--drafter", second_drafter, "--json", "-", "--save-outputs", str(saved))) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(ar_runs) == 1 + 3  # the warm-up and once per prompt, not once per drafter
+    assert set(report) == {"drafters", "baselines", "prompts", "settings"}
+    assert set(report["baselines"]) == {"ar", "pld", "generate"}
+    assert report["baselines"]["pld"]["exact_match_vs_ar"] is True
+    assert [(e["drafter"], e["layers"], e["block_size"]) for e in report["drafters"]] == [(first, 2, 4),
+                                                                                       (second_drafter, 1, 3)]
+    for entry in report["drafters"]:
+        assert set(entry["decoders"]) == {"sync", "async"}
+        for summary in entry["decoders"].values():
+            assert summary["exact_match_vs_ar"] is True and summary["speedup_vs_ar"] is not None
+    lines = [json.loads(line) for line in saved.read_text().splitlines()]
+    assert len(lines) == 3 * 7 and {(line["decoder"], line.get("drafter")) for line in lines} == {
+        ("ar", None), ("pld", None), ("generate", None),
+        *((decoder, drafter) for decoder in ("sync", "async") for drafter in (first, second_drafter))}
+
+    # Each drafter measures as it does alone, also in lockstep replay from the recorded ar outputs (no ar decoding).
+    alone = bench_args(pair_dirs, "--decoder", "async", "--verify", "replay", "--json", "-")
+    alone[alone.index("--drafter") + 1] = second_drafter
+    assert main(alone) == 0
+    second_alone = json.loads(capsys.readouterr().out)["decoders"]["async"]
+    assert main(bench_args(pair_dirs, "--drafter", second_drafter, "--verify", "replay", "--replay-batch", "2",
+                           "--ar-outputs", str(saved), "--json", "-")) == 0
+    replayed = json.loads(capsys.readouterr().out)
+    assert len(ar_runs) == 2 * 4 and set(replayed["baselines"]) == {"ar"}  # the alone run's, none more
+    for live, lockstep in zip(report["drafters"], replayed["drafters"]):
+        for name in ("sync", "async"):
+            for key in ("tau_per_prompt", "acceptance_histogram", "exact_match_vs_ar"):
+                assert lockstep["decoders"][name][key] == live["decoders"][name][key]
+    assert second_alone["tau_per_prompt"] == report["drafters"][1]["decoders"]["async"]["tau_per_prompt"]
+
+    # The table has a row per drafter and decoder.
+    assert main(bench_args(pair_dirs, "--drafter", second_drafter, "--decoder", "ar,async", "--json",
+                           str(tmp_path / "report.json"))) == 0
+    table = capsys.readouterr().out
+    assert "drafter" in table and table.count("async") == 2
+
+
+def test_bench_baselines_and_decoder_lists(pair_dirs, second_drafter, capsys, tmp_path):
+    assert main(bench_args(pair_dirs, "--decoder", "ar,pld", "--pld-tokens", "3", "--json", "-")) == 0
+    report = json.loads(capsys.readouterr().out)  # one drafter: the single-table layout
+    assert set(report) == {"decoders", "prompts", "settings"} and set(report["decoders"]) == {"ar", "pld"}
+    assert report["decoders"]["pld"]["exact_match_vs_ar"] is True
+    assert report["settings"]["baselines"] == {"pld_tokens": 3}
+    # Named explicitly, a baseline runs on the live target under replay; `all` leaves it out there.
+    assert main(bench_args(pair_dirs, "--decoder", "generate", "--verify", "replay", "--json", "-")) == 0
+    generate = json.loads(capsys.readouterr().out)["decoders"]["generate"]
+    assert generate["exact_match_vs_ar"] is True and generate["speedup_vs_ar"] is not None
+    assert main(bench_args(pair_dirs, "--temperature", "0.5", "--json", "-")) == 0
+    assert set(json.loads(capsys.readouterr().out)["decoders"]) == {"ar", "sync", "async"}
+
+    assert "greedy" in error_of(capsys, bench_args(pair_dirs, "--decoder", "ar,pld", "--temperature", "0.5"))
+    assert "--pld-tokens" in error_of(capsys, bench_args(pair_dirs, "--decoder", "pld", "--pld-tokens", "0"))
+    assert "given twice" in error_of(capsys, bench_args(pair_dirs, "--drafter", str(pair_dirs / "drafter")))
+    other = build_tiny_drafter(vocab_size=60, mask_token_id=59, draft_vocab_size=59)
+    save_drafter(other, tmp_path / "small")
+    assert "vocabulary mismatch" in error_of(capsys, bench_args(pair_dirs, "--drafter", str(tmp_path / "small")))
+    with pytest.raises(SystemExit) as exit_info:
+        main(bench_args(pair_dirs, "--decoder", "ar,fast"))
+    assert exit_info.value.code == 2
 
 
 def error_of(capsys, argv) -> str:
@@ -197,9 +280,16 @@ def test_run_resume_and_bad_inputs(pair_dirs, capsys, tmp_path):
     base = ["run", "--drafter", str(pair_dirs / "drafter"), "--target", str(pair_dirs / "target"),
             "--prompts", str(pair_dirs / "prompts.jsonl"), "--max-new-tokens", "12", "--out", str(tmp_path / "out"),
             "--min-retention", "0.01", "--no-speedup-stop"]
-    assert main(base + ["--layers-to-remove", "1", "--json", "-"]) == 0
+    assert main(base + ["--layers-to-remove", "1", "--json", "-", "--speed-suite", str(pair_dirs / "prompts.jsonl"),
+                        "--speed-prompts", "2"]) == 0
     state = json.loads(capsys.readouterr().out)
     assert len(state["history"]) == 1 and state["stopped_by"] == "layer budget"
+    # The measured speed check: both drafters exact against ar on the held-out prompts, in the report too.
+    speed = state["speed"]
+    assert speed["prompts"] == 2 and speed["base"]["exact"] is True and speed["final"]["exact"] is True
+    for name in ("base", "final"):
+        assert speed[name]["measured_speedup"] > 0 and speed[name]["predicted_speedup"] > 0
+    assert "measured speedup" in (tmp_path / "out" / "report.md").read_text()
     assert (tmp_path / "out" / "step-01" / "prune_report.json").is_file()
     assert "not empty" in error_of(capsys, base + ["--layers-to-remove", "1"])
     assert main(base + ["--layers-to-remove", "1", "--resume"]) == 0

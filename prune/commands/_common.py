@@ -1,11 +1,15 @@
 """Arguments and helpers shared by several commands (one place for their defaults and help)."""
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
+# Decoder defaults shared by every command that decodes (the CLI must not import torch to show them).
+PACKED_BUDGET = 64
+WIDTH_MODES = ("adaptive", "fixed")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -25,16 +29,89 @@ def add_debug(parser) -> None:
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
 
 
-def add_model_args(parser, target: bool = True) -> None:
-    parser.add_argument("--drafter", default=None, help="drafter checkpoint folder (default: the demo drafter)")
+def add_model_args(parser, target: bool = True, several_drafters: bool = False) -> None:
+    if several_drafters:
+        parser.add_argument("--drafter", action="append", default=None, metavar="DIR",
+                            help="drafter checkpoint folder; repeat to compare several drafters against one ar "
+                            "run (default: the demo drafter)")
+    else:
+        parser.add_argument("--drafter", default=None, help="drafter checkpoint folder (default: the demo drafter)")
     if target:
         parser.add_argument("--target", default=None,
                             help="target model folder or .gguf file (default: the demo target, SmolLM2-135M-Instruct)")
         parser.add_argument("--cache-dir", default=None,
                             help="where the demo target and suite data are cached "
                             "(default: $D3D_PRUNE_CACHE or $XDG_CACHE_HOME/d3d-prune)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and compute dtype")
+    parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                        help="weights and compute dtype; auto: bfloat16 where the device computes it natively "
+                        "(AMX / AVX512-BF16 CPUs, GPUs), float32 elsewhere")
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
+
+
+def add_export_dtype_arg(parser) -> None:
+    parser.add_argument("--export-dtype", choices=("source", *DTYPES), default="source",
+                        help="dtype of the exported steps; source: the dtype the --drafter weights are stored in "
+                        "(--dtype is the compute dtype)")
+
+
+def add_decode_args(parser) -> None:
+    """Flags of the speculative decoders (bench, score, run, sweep)."""
+    parser.add_argument("--packed-budget", type=int, default=PACKED_BUDGET,
+                        help="async: query tokens the packed pass spends on candidate blocks")
+    parser.add_argument("--width", choices=WIDTH_MODES, default="adaptive",
+                        help="tokens verified per round: adaptive chooses 2..block size each round from the "
+                        "drafter's confidences and the measured pass times (decode/cost.py); fixed verifies "
+                        "the block size every round")
+    parser.add_argument("--draft-threads", type=int, default=None, metavar="N",
+                        help="async on CPU: threads of the packed pass; the verify pass gets the rest "
+                        "(default: a quarter of the threads, at least 1)")
+
+
+def decode_config(args, pair, drafter=None, log=None, **fields):
+    """The DecodeConfig of `add_decode_args` flags for `pair` (and `drafter`, default the pair's), and the
+    pair's pass times (decode.cost.PassTimes; the adaptive width policy is derived from them).
+
+    Pass times are measured once per drafter, target, device, dtype, thread count and packed budget and
+    kept in the cache folder (unless --no-cache), so that repeated runs choose the same widths: decisions,
+    tau and the score cache stay reproducible on one machine. `fields` set other DecodeConfig attributes.
+    """
+    import platform
+
+    import torch
+
+    from decode.cost import PassTimes, WidthPolicy
+    from decode.decoders import DecodeConfig
+    from decode.timing import measure_pass_times
+    from models._wheels import resolve_cache_dir
+    from models.errors import ConfigError
+    from prune.scoring import cached_json, fingerprint
+
+    if args.packed_budget < 0:
+        raise ConfigError("--packed-budget must be >= 0")
+    if args.draft_threads is not None and args.draft_threads < 1:
+        raise ConfigError("--draft-threads must be at least 1")
+    config = DecodeConfig(stop_ids=pair.stop_ids, packed_budget=args.packed_budget,
+                          draft_threads=args.draft_threads, **fields)
+    drafter = drafter or pair.drafter
+    config.verify_block(drafter.config.block_size)
+    weight = next(pair.target.parameters())
+    key = fingerprint("pass-times", fingerprint(drafter), fingerprint(pair.target), str(weight.dtype),
+                      str(weight.device), torch.get_num_threads(), config.packed_budget, config.draft_threads,
+                      config.block_size, platform.machine(), platform.processor(), torch.__version__)
+    cache = None if getattr(args, "no_cache", False) else resolve_cache_dir(getattr(args, "cache_dir", None))
+
+    def measure():
+        (log or _stderr)("measuring the pair's pass times for the cost model (once; cached) ...")
+        return measure_pass_times(pair.target, drafter, config).to_dict()
+
+    times = PassTimes(**cached_json(cache and cache / "pass-times", key, measure))
+    if args.width == "fixed":
+        return config, times
+    return dataclasses.replace(config, width_policy=WidthPolicy.from_times(times)), times
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def add_prompt_args(parser, default_suite: str = "humaneval:eval", max_new_tokens: int = 128,
@@ -133,9 +210,14 @@ def quiet_libraries() -> None:
     logging.set_verbosity_error()
 
 
-def torch_dtype(name: str):
+def torch_dtype(name: str, device=None):
+    """The torch dtype of a --dtype value ("auto" resolves for `device`, see models/precision.py)."""
     import torch
 
+    if name == "auto":
+        from models.precision import auto_dtype_name
+
+        name = auto_dtype_name(device if device is not None else torch.device("cpu"))
     return getattr(torch, name)
 
 
@@ -182,7 +264,9 @@ def load_pair_and_prompts(args):
     from models.pair import load_pair
 
     quiet_libraries()
-    device, dtype = resolve_device(args.device), torch_dtype(args.dtype)
+    device = resolve_device(args.device)
+    dtype = torch_dtype(args.dtype, device)
+    args.dtype = str(dtype).replace("torch.", "")  # later readers (cache keys, reports) see the resolved name
     records, source = prompt_records(args)
     drafter_dir, target_path = model_paths(args)
     pair = load_pair(drafter_dir, target_path, dtype, device)

@@ -1,15 +1,22 @@
-"""`prune bench`: acceptance length, speed and exactness of ar / sync / async on a prompt set."""
+"""`prune bench`: acceptance length, speed and exactness of ar / sync / async (and transformers' own
+greedy baselines) on a prompt set, for one drafter or several side by side."""
 
+import argparse
 import json
 
 from ._common import (
     add_command,
     add_debug,
+    add_decode_args,
     add_model_args,
+    decode_config,
     add_prompt_args,
     load_pair_and_prompts,
+    model_paths,
+    resolve_device,
     show_progress,
     stdout_console,
+    torch_dtype,
     write_json,
 )
 
@@ -17,6 +24,8 @@ EXAMPLES = """
 examples:
   prune bench --suite humaneval:eval --limit 10          (the demo pair)
   prune bench --drafter DRAFTER --target TARGET --prompts prompts.jsonl --limit 10
+  prune bench --drafter D1 --drafter D2 --target TARGET --prompts p.jsonl     (two drafters, one ar run)
+  prune bench --drafter DRAFTER --target TARGET --prompts p.jsonl --decoder ar,async,pld
   prune bench --drafter DRAFTER --target TARGET --prompts p.jsonl --decoder async --verify replay --json -
   prune bench --suite champ:eval --decoder async --verify replay --replay-batch 16   (a whole part's tau)
   prune bench --suite champ:eval --decoder ar --save-outputs ar.jsonl          (the target once, then per drafter:)
@@ -30,70 +39,114 @@ def add_parser(subparsers) -> None:
         "bench",
         help="measure acceptance length and speedup of ar, sync and async decoding",
         description="Measure acceptance length (tau), time per token, speedup vs ar and exactness of the "
-        "ar, sync and async decoders on the same prompts, after a warm-up." + EXAMPLES,
+        "ar, sync and async decoders of one or several drafters, and of transformers' greedy generate() "
+        "with and without prompt lookup, on the same prompts, after a warm-up." + EXAMPLES,
     )
-    add_model_args(parser)
+    add_model_args(parser, several_drafters=True)
     add_prompt_args(parser)
-    parser.add_argument("--decoder", default="all", choices=("ar", "sync", "async", "all"),
-                        help="decoder to measure (ar always runs as the baseline)")
+    parser.add_argument("--decoder", default="all", type=decoder_names, metavar="NAME[,NAME...]",
+                        help="decoders to measure, comma-separated: ar, sync, async, pld (transformers' prompt "
+                        "lookup), generate (transformers' greedy generate()) or all; ar always runs as the "
+                        "baseline; all leaves out pld and generate at --temperature > 0 and with --verify replay")
+    parser.add_argument("--pld-tokens", type=int, default=10, metavar="N",
+                        help="pld: tokens proposed per prompt lookup (transformers' prompt_lookup_num_tokens)")
     parser.add_argument("--block-size", type=int, default=None,
-                        help="tokens verified per round (default: the drafter's block_size)")
+                        help="most tokens verified per round (default: the drafter's block_size)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = speculative sampling")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--verify", choices=("live", "replay"), default="live",
-                        help="live: run the target; replay: answer from the ar trajectory (greedy only)")
+                        help="live: run the target; replay: answer sync and async verification from the ar trajectory "
+                        "(greedy only)")
     parser.add_argument("--replay-batch", type=int, default=1, metavar="N",
                         help="with --verify replay: decode N prompts in lockstep (tau and exactness as one at a "
                         "time, in a fraction of the time; per-prompt times are then null)")
     parser.add_argument("--ar-outputs", metavar="FILE.jsonl", default=None,
                         help="with --verify replay: take the target's outputs from the ar lines of a --save-outputs "
                         "file of the same target, prompts and --max-new-tokens instead of decoding them")
-    parser.add_argument("--packed-budget", type=int, default=64,
-                        help="async: query tokens the packed pass spends on candidate blocks")
+    add_decode_args(parser)
     parser.add_argument("--fan-out", type=int, default=3, help="async: most bonus guesses per outcome")
     parser.add_argument("--sequential", action="store_true",
                         help="async: run the verify and packed passes one after the other (debugging)")
     parser.add_argument("--json", metavar="OUT", default=None, help="write the JSON report to OUT ('-' = stdout)")
     parser.add_argument("--save-outputs", metavar="OUT.jsonl", default=None,
-                        help="write one JSON line per prompt and decoder with the output ids (and text)")
+                        help="write one JSON line per prompt and decoder with the output ids (and text; the "
+                        "drafter for sync and async)")
     add_debug(parser)
     parser.set_defaults(run=run)
 
 
-def run(args) -> int:
-    from decode.bench import BenchConfig, run_bench
-    from decode.decoders import DECODERS, DecodeConfig
+def decoder_names(text: str) -> tuple[str, ...]:
+    """--decoder's comma-separated names, checked against the decoder registries (a usage error otherwise)."""
+    from decode.bench import check_decoder_names
+    from models.errors import ConfigError
 
-    pair, prompts, drafter_dir, target_path, source = load_pair_and_prompts(args)
-    decode = DecodeConfig(
-        max_new_tokens=args.max_new_tokens,
-        block_size=args.block_size,
-        temperature=args.temperature,
-        seed=args.seed,
-        stop_ids=pair.stop_ids,
-        packed_budget=args.packed_budget,
-        fan_out=args.fan_out,
-        concurrent=not args.sequential,
-    )
-    decoders = DECODERS if args.decoder == "all" else ("ar", args.decoder)
-    config = BenchConfig(decode=decode, decoders=decoders, verify=args.verify, replay_batch=args.replay_batch)
+    names = tuple(name.strip() for name in text.split(","))
+    try:
+        check_decoder_names(names, allow_all=True)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return names
+
+
+def run(args) -> int:
+    from decode.baselines import BaselineConfig
+    from decode.bench import SPECULATIVE, BenchConfig, run_bench, select_decoders
+
+    pair, prompts, drafters, target_path, source = load_models_and_prompts(args)
+    fields = dict(max_new_tokens=args.max_new_tokens, block_size=args.block_size, temperature=args.temperature,
+                  seed=args.seed, fan_out=args.fan_out, concurrent=not args.sequential)
+    per_drafter = {name: decode_config(args, pair, drafter, **fields) for name, drafter in drafters}
+    decode = per_drafter[drafters[0][0]][0]
+    decoders = select_decoders(args.decoder, args.temperature, args.verify)
+    config = BenchConfig(decode=decode, decoders=decoders, verify=args.verify, replay_batch=args.replay_batch,
+                         baselines=BaselineConfig(pld_tokens=args.pld_tokens))
     config.validate()
 
     from prune.progress import progress_bar
 
     ar_outputs = read_ar_outputs(args.ar_outputs, prompts) if args.ar_outputs else None
-    total = len(prompts) * len(set(decoders))
-    with progress_bar("bench", total, enabled=show_progress(args.json)) as advance:
-        report, outputs = run_bench(pair.drafter, pair.target, prompts, config, on_result=lambda *_: advance(),
-                                    ar_outputs=ar_outputs)
-    report["settings"].update({"drafter": drafter_dir, "target": target_path, "prompts": source,
-                               "ar_outputs": args.ar_outputs})
+    speculative = sum(d in SPECULATIVE for d in decoders)  # rows run once per drafter
+    rows = len(decoders) - speculative + len(drafters) * speculative
+    with progress_bar("bench", len(prompts) * rows, enabled=show_progress(args.json)) as advance:
+        report, outputs = run_bench(drafters, pair.target, prompts, config, on_result=lambda *_: advance(),
+                                    ar_outputs=ar_outputs,
+                                    decode_by_drafter={name: entry[0] for name, entry in per_drafter.items()},
+                                    times_by_drafter={name: entry[1] for name, entry in per_drafter.items()})
+    report["settings"].update({"target": target_path, "prompts": source, "ar_outputs": args.ar_outputs,
+                               "pass_times": {name: times.to_dict() for name, (_, times) in per_drafter.items()}})
     if args.save_outputs:
         _save_outputs(args.save_outputs, prompts, outputs, pair.tokenizer)
     write_json(report, args.json)
     if args.json != "-":
         print_table(report)
     return 0
+
+
+def load_models_and_prompts(args):
+    """(pair of the first drafter, prompts, [(drafter folder, model)], target path, prompt source).
+
+    Every further --drafter is checked against the target (as load_pair checks the first) before any
+    weights load; the target loads once.
+    """
+    from decode.prompts import check_context
+    from models.drafter import load_drafter, validate_checkpoint
+    from models.target import check_pair, load_tokenizer, target_config_of
+
+    first, *others = args.drafter or [None]  # None: the demo drafter
+    first_args = argparse.Namespace(**{**vars(args), "drafter": first})  # what the shared loaders read
+    if others:
+        target_path = model_paths(first_args)[1]
+        target_config, target_tokenizer = target_config_of(target_path), load_tokenizer(target_path)
+        for folder in others:
+            check_pair(validate_checkpoint(folder), target_config, load_tokenizer(folder), target_tokenizer)
+    pair, prompts, first_dir, target_path, source = load_pair_and_prompts(first_args)
+    drafters = [(first_dir, pair.drafter)]
+    for folder in others:
+        drafter = load_drafter(folder, torch_dtype(args.dtype), resolve_device(args.device))
+        positions = min(pair.max_positions, getattr(drafter.config, "max_position_embeddings", pair.max_positions))
+        check_context(prompts, args.max_new_tokens, drafter.config.block_size, positions)
+        drafters.append((folder, drafter))
+    return pair, prompts, drafters, target_path, source
 
 
 def read_ar_outputs(path: str, prompts) -> list[list[int]]:
@@ -118,10 +171,13 @@ def read_ar_outputs(path: str, prompts) -> list[list[int]]:
 
 
 def _save_outputs(path: str, prompts, outputs: dict, tokenizer) -> None:
+    """One line per prompt and row: id, decoder, drafter (speculative rows only), output ids, text."""
     with open(path, "w") as handle:
-        for decoder, results in outputs.items():
+        for (drafter, decoder), results in outputs.items():
             for prompt, result in zip(prompts, results):
                 line = {"id": prompt.id, "decoder": decoder, "output_ids": result.output_ids}
+                if drafter is not None:
+                    line["drafter"] = drafter
                 if tokenizer is not None:
                     line["text"] = tokenizer.decode(result.output_ids, skip_special_tokens=False)
                 handle.write(json.dumps(line) + "\n")
@@ -130,17 +186,35 @@ def _save_outputs(path: str, prompts, outputs: dict, tokenizer) -> None:
 def print_table(report: dict) -> None:
     from rich.table import Table
 
-    table = Table(title=f"prune bench: {report['prompts']} prompts, verify={report['settings']['verify']}")
-    for column in ("decoder", "tau macro", "tau micro", "ms/token", "tokens/s", "speedup", "exact", "hit rate"):
+    from decode.bench import report_rows
+
+    rows = report_rows(report)
+    folder, names = _short_names([drafter for drafter, _, _ in rows if drafter is not None])
+    table = Table(title=f"prune bench: {report['prompts']} prompts, verify={report['settings']['verify']}",
+                  caption=f"drafters in {folder}" if folder else None)
+    table.add_column("drafter", justify="left", overflow="fold")
+    for column in ("decoder", "tau macro", "tau micro", "width", "ms/token", "speedup", "predicted", "limit",
+                   "exact", "hit rate"):
         table.add_column(column, justify="right")
-    for name, d in report["decoders"].items():
+    for drafter, name, d in rows:
         table.add_row(
-            name,
-            _fmt(d.get("tau_macro")), _fmt(d.get("tau_micro")), _fmt(d.get("time_per_token_ms")),
-            _fmt(d.get("tokens_per_s"), 1), _fmt(d.get("speedup_vs_ar")), _fmt(d.get("exact_match_vs_ar")),
-            _fmt(d.get("hit_rate")),
+            names.get(drafter, "-"), name,
+            _fmt(d.get("tau_macro")), _fmt(d.get("tau_micro")), _fmt(d.get("verify_width_mean"), 1),
+            _fmt(d.get("time_per_token_ms")), _fmt(d.get("speedup_vs_ar")), _fmt(d.get("predicted_speedup")),
+            _fmt(d.get("speedup_limit")), _fmt(d.get("exact_match_vs_ar")), _fmt(d.get("hit_rate")),
         )
     stdout_console().print(table)
+
+
+def _short_names(drafters: list[str]) -> tuple[str | None, dict[str, str]]:
+    """The folder holding every drafter and each drafter's path relative to it: what tells them apart
+    in a narrow column (the JSON keeps the paths as given)."""
+    import os
+
+    if not drafters:
+        return None, {}
+    folder = os.path.commonpath([os.path.dirname(os.path.abspath(d)) for d in drafters])
+    return folder, {d: os.path.relpath(os.path.abspath(d), folder) for d in drafters}
 
 
 def _fmt(value, digits: int = 2) -> str:

@@ -7,7 +7,7 @@ from ._common import add_command, add_debug
 EXAMPLES = """
 examples:
   prune dashboard --entity my-team --project d3d-prune
-  prune dashboard --entity my-team --project d3d-prune --print      (show the panels; no W&B login needed)
+  prune dashboard --print                                           (list the panels offline; no W&B needed)
 """
 
 
@@ -21,10 +21,11 @@ def add_parser(subparsers) -> None:
         "coordinates and the Pareto scatter (eval retention vs layers left). It reads the metric names that "
         "prune run, prune score and prune sweep log. Saving needs a logged-in W&B (`wandb login`)." + EXAMPLES,
     )
-    parser.add_argument("--entity", required=True, help="W&B entity (user or team)")
-    parser.add_argument("--project", required=True, help="W&B project holding the runs")
+    parser.add_argument("--entity", default=None, help="W&B entity (user or team); needed unless --print")
+    parser.add_argument("--project", default=None, help="W&B project holding the runs; needed unless --print")
     parser.add_argument("--name", default=None, help="workspace name (default: 'd3d-prune: pruning and sweeps')")
-    parser.add_argument("--print", action="store_true", help="print the panels as JSON instead of saving")
+    parser.add_argument("--print", action="store_true",
+                        help="print the panels as JSON instead of saving (offline; --entity/--project optional)")
     add_debug(parser)
     parser.set_defaults(run=run)
 
@@ -44,10 +45,16 @@ def run(args) -> int:
     from prune.dashboard import DEFAULT_NAME, build_workspace
     from prune.tracking import has_credentials, resolve_mode
 
-    workspace = build_workspace(args.entity, args.project, args.name or DEFAULT_NAME)
     if args.print:
-        print(json.dumps(panel_listing(workspace), indent=2))
+        # The panels do not depend on where they would be saved; the workspace model just needs names.
+        workspace = build_workspace(args.entity or "ENTITY", args.project or "PROJECT", args.name or DEFAULT_NAME)
+        print(json.dumps({**panel_listing(workspace), "entity": args.entity, "project": args.project}, indent=2))
         return 0
+    missing = [flag for flag, value in (("--entity", args.entity), ("--project", args.project)) if not value]
+    if missing:
+        raise ConfigError(f"saving a workspace needs {' and '.join(missing)} (the W&B place to save it to); "
+                          "--print lists the panels without them")
+    workspace = build_workspace(args.entity, args.project, args.name or DEFAULT_NAME)
     mode = resolve_mode(os.environ)
     if mode != "online" or not has_credentials(os.environ):
         raise ConfigError(f"saving a workspace needs W&B online and logged in (mode {mode}"

@@ -1,4 +1,4 @@
-"""`prune export`: re-export a pruning step (or any drafter folder) in another dtype."""
+"""`prune export`: re-export a pruning step (or any drafter folder), by default in the dtype it is stored in."""
 
 from ._common import DTYPES, add_command, add_debug
 
@@ -9,12 +9,14 @@ def add_parser(subparsers) -> None:
         "export",
         help="re-export a pruned step in another dtype (e.g. bfloat16 for serving)",
         description="Write a copy of a drafter folder (e.g. OUT/step-03 of `prune run`) with its weights cast to "
-        "--dtype, atomically, keeping the tokenizer files, generation config, model card and pruning report "
-        "(with fresh file hashes).\n\nexample:\n  prune export pruned/final pruned-bf16 --dtype bfloat16",
+        "--dtype (default: the dtype SOURCE is stored in), atomically, keeping the tokenizer files, generation "
+        "config, model card (naming the dtype) and pruning report (with fresh file hashes)."
+        "\n\nexample:\n  prune export pruned/final pruned-bf16 --dtype bfloat16",
     )
     parser.add_argument("source", help="drafter folder to export (a `prune run` step or any drafter)")
     parser.add_argument("destination", help="new folder (must not exist or be empty unless --overwrite)")
-    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype of the exported weights")
+    parser.add_argument("--dtype", choices=("source", *DTYPES), default="source",
+                        help="dtype of the exported weights; source: the dtype SOURCE's weights are stored in")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
     add_debug(parser)
     parser.set_defaults(run=run)
@@ -25,9 +27,9 @@ def run(args) -> int:
     from pathlib import Path
 
     from models.drafter import load_drafter
-    from prune.export import REPORT_NAME, export_step
+    from prune.export import REPORT_NAME, export_step, resolve_export_dtype
 
-    from ._common import quiet_libraries, torch_dtype
+    from ._common import quiet_libraries
 
     quiet_libraries()
     source = Path(args.source).resolve()
@@ -37,7 +39,7 @@ def run(args) -> int:
     history = report.pop("history", [])
     report.pop("files", None)
     report["exported_from"] = str(source)
-    export_step(model, args.destination, source, report, history, dtype=torch_dtype(args.dtype),
+    export_step(model, args.destination, source, report, history, dtype=resolve_export_dtype(args.dtype, source),
                 overwrite=args.overwrite)
     print(args.destination)
     return 0

@@ -1,19 +1,23 @@
 """`prune run`: progressive pruning - score, remove, heal with LoRA, export - repeated until a stop rule."""
 
+import argparse
 import functools
-import json
 import sys
 
 from ._common import (
     add_command,
     add_debug,
+    add_decode_args,
+    add_export_dtype_arg,
     add_heal_data_arg,
     add_model_args,
     add_prompt_args,
     add_tracking_args,
+    decode_config,
     heal_examples,
     load_pair_and_prompts,
     make_tracker,
+    prompt_records,
     show_progress,
     write_json,
 )
@@ -49,13 +53,20 @@ def add_parser(subparsers) -> None:
                         help="do not stop when predicted speedup stops improving")
     parser.add_argument("--criterion", choices=("tau", "speedup"), default="tau", help="layer scoring criterion")
     parser.add_argument("--verify", choices=("replay", "live"), default="replay", help="verification in scoring")
-    parser.add_argument("--packed-budget", type=int, default=64, help="async: candidate tokens per packed pass")
+    add_decode_args(parser)
     add_heal_data_arg(parser)
     parser.add_argument("--heal-steps", type=int, default=40, help="LoRA updates per heal (0: no healing)")
     parser.add_argument("--lora-rank", type=int, default=8, help="LoRA rank")
     parser.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha (scale = alpha / rank)")
     parser.add_argument("--heal-lr", type=float, default=5e-4, help="LoRA learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seeds healing and the bootstrap")
+    add_export_dtype_arg(parser)
+    parser.add_argument("--speed-suite", default="humaneval:eval", metavar="NAME[:calib|:eval] | FILE.jsonl",
+                        help="held-out prompts of the measured speed check at the end (a built-in suite or a JSONL "
+                        "prompt file): the unpruned and the final drafter against the target alone (live, async, "
+                        "interleaved); skipped when the prompts are text and the pair has no tokenizer")
+    parser.add_argument("--speed-prompts", type=int, default=4, metavar="N",
+                        help="prompts of the speed check (0: skip it; --max-new-tokens tokens each)")
     parser.add_argument("--json", metavar="OUT", default=None, help="write the final state as JSON ('-' = stdout)")
     add_tracking_args(parser)
     add_debug(parser)
@@ -63,17 +74,17 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from decode.decoders import DecodeConfig
+    from models._wheels import resolve_cache_dir
     from prune.heal import HealConfig
     from prune.progress import progress_bar
-    from prune.progressive import RunConfig, check_resumable, config_record, run_pruning
-    from prune.scoring import ScoreConfig, fingerprint, record_trajectories
+    from prune.progressive import RunConfig, check_resumable, config_record, measure_timing, run_pruning
+    from prune.scoring import ScoreConfig, cached_trajectories, fingerprint
 
     if args.resume:
         check_resumable(args.out)
     pair, tokenized, drafter_dir, target_path, source = load_pair_and_prompts(args)
     prompts = [p.input_ids for p in tokenized]
-    decode = DecodeConfig(max_new_tokens=args.max_new_tokens, stop_ids=pair.stop_ids, packed_budget=args.packed_budget)
+    decode, times = decode_config(args, pair, max_new_tokens=args.max_new_tokens)
     examples, heal_data = heal_examples(args)
     config = RunConfig(
         layers_to_remove=args.layers_to_remove, min_retention=args.min_retention, per_step=args.per_step,
@@ -83,7 +94,8 @@ def run(args) -> int:
                         lr=args.heal_lr, seed=args.seed),
     )
     config.validate(pair.drafter.config.num_hidden_layers)
-    trajectories = record_trajectories(pair.target, prompts, decode) if args.verify == "replay" else None
+    cache = resolve_cache_dir(args.cache_dir)
+    trajectories = cached_trajectories(cache, pair.target, prompts, decode) if args.verify == "replay" else None
     drafter_hash = fingerprint(pair.drafter)
     tracker = make_tracker(args, "run", {
         "settings": config_record(config), "drafter": drafter_dir, "drafter_hash": drafter_hash,
@@ -92,16 +104,89 @@ def run(args) -> int:
     try:
         state = run_pruning(pair.drafter, drafter_dir, prompts, args.out, config, target=pair.target,
                             trajectories=trajectories, heal_examples=examples, resume=args.resume,
+                            export_dtype=args.export_dtype,
+                            timing=None if args.resume else measure_timing(pair.drafter, config.score, pair.target, times),
                             log=lambda message: print(message, file=sys.stderr), on_step=tracker.on_step,
                             progress=functools.partial(progress_bar, enabled=show_progress(args.json)))
     except BaseException:
         tracker.finish(exit_code=1)
         raise
+    if args.speed_prompts > 0 and "speed" not in state:
+        state = _check_speed(args, state, pair, decode)
     tracker.finish(state, args.out)
     write_json(state, args.json)
-    if args.json != "-":
-        print(json.dumps({"stopped_by": state["stopped_by"], "steps": len(state["history"]),
-                          "final": f"{args.out}/final" if state["history"] else None,
-                          "base_tau": state["base"]["tau"],
-                          "final_tau": state["history"][-1]["tau"] if state["history"] else None}))
+    print("\n".join(summary_lines(state, args.out)), file=sys.stderr)
     return 0
+
+
+def _check_speed(args, state: dict, pair, decode) -> dict:
+    """Run the measured speed check (prune.speed) and record it in OUT/state.json and OUT/report.md."""
+    from decode.prompts import tokenize_records
+    from prune.progressive import save_state
+    from prune.report import write_report
+    from prune.speed import measure_speed
+
+    from_file = args.speed_suite.endswith(".jsonl")
+    records_args = argparse.Namespace(**{**vars(args), "suite": None if from_file else args.speed_suite,
+                                         "prompts": args.speed_suite if from_file else None,
+                                         "limit": args.speed_prompts})
+    records, source = prompt_records(records_args)
+    if pair.tokenizer is None and any("input_ids" not in record for record in records):
+        print(f"note: no speed check: {source} holds text and the pair has no tokenizer (--speed-suite FILE.jsonl "
+              "with input_ids records, or --speed-prompts 0)", file=sys.stderr)
+        return state
+    prompts = tokenize_records(records, pair.tokenizer, not args.no_chat_template)
+    print(f"measuring speed on {len(prompts)} held-out prompts ({source}) ...", file=sys.stderr)
+    state = {**state, "speed": measure_speed(state, args.out, pair.drafter, pair.target, prompts, decode, source)}
+    save_state(args.out, state)
+    write_report(args.out, state)
+    return state
+
+
+def summary_lines(state: dict, out: str) -> list[str]:
+    """The end-of-run summary a person reads (stderr): what was removed, before -> after, where things are.
+
+    Calibration tau and predicted speedup come from the run's state. Held-out tau and measured speedup are
+    printed when the state holds them: `state["speed"]` = {"base": {...}, "final": {...}}, each with any of
+    "tau", "predicted_speedup", "measured_speedup" (its predicted speedup, when given, replaces the
+    calibration one). Layer indices are 0-based, in the unpruned drafter.
+    """
+    from pathlib import Path
+
+    from models.checkpoint import stored_dtype
+
+    history, base = state["history"], state["base"]
+    final = history[-1] if history else {}
+    speed = state.get("speed") or {}
+    speed_base, speed_final = speed.get("base") or {}, speed.get("final") or {}
+    removed = [i for h in history for i in h["removed_original"]]
+    unpruned = state.get("timing", {}).get("layers")
+    of = f" of {unpruned}" if unpruned else ""
+    lines = [f"removed {len(removed)}{of} layers (original indices {', '.join(map(str, removed))}) in "
+             f"{len(history)} step{'s' * (len(history) != 1)}; stopped by {state['stopped_by']}"
+             if history else f"removed no layer; stopped by {state['stopped_by']}"]
+
+    def before_after(label: str, before, after, form: str, retention: bool = False) -> None:
+        """Add "label: before -> after" (just "before" when no step was taken), if there is a number to show."""
+        if before is None and (after is None or not history):
+            return
+        values = (before, after) if history else (before,)
+        text = " -> ".join("-" if v is None else form.format(v) for v in values)
+        if retention and history and before and after is not None:
+            text += f" (retention {after / before:.4f})"
+        lines.append(f"{label}: {text}")
+
+    before_after("calibration tau", base["tau"], final.get("tau"), "{:.3f}", retention=True)
+    before_after("held-out tau", speed_base.get("tau"), speed_final.get("tau"), "{:.3f}", retention=True)
+    predicted = (speed_base, speed_final) if "predicted_speedup" in speed_base | speed_final else (base, final)
+    before_after("predicted speedup", *(p.get("predicted_speedup") for p in predicted), "{:.2f}x")
+    before_after("measured speedup", speed_base.get("measured_speedup"), speed_final.get("measured_speedup"),
+                 "{:.2f}x")
+    if history:
+        layers = final["layers"]
+        lines.append(f"pruned drafter: {Path(out) / 'final'} -> {final['folder']} ({layers} "
+                     f"layer{'s' * (layers != 1)}, {stored_dtype(Path(out) / final['folder'])})")
+    else:
+        lines.append("pruned drafter: none (no step was taken; the source drafter stands)")
+    lines.append(f"report: {Path(out) / 'report.md'}")
+    return lines

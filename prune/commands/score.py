@@ -4,9 +4,11 @@
 from ._common import (
     add_command,
     add_debug,
+    add_decode_args,
     add_model_args,
     add_prompt_args,
     add_tracking_args,
+    decode_config,
     load_pair_and_prompts,
     make_tracker,
     show_progress,
@@ -37,7 +39,7 @@ def add_parser(subparsers) -> None:
                         help="tau: drop in acceptance length; speedup: drop in predicted speedup")
     parser.add_argument("--verify", choices=("replay", "live"), default="replay",
                         help="replay: target trajectories recorded once; live: the target in every evaluation")
-    parser.add_argument("--packed-budget", type=int, default=64, help="async: candidate tokens per packed pass")
+    add_decode_args(parser)
     parser.add_argument("--batch-size", type=int, default=16, help="prompts per batched drafter pass (replay)")
     parser.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the intervals")
     parser.add_argument("--seed", type=int, default=0, help="bootstrap seed")
@@ -49,34 +51,29 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from decode.decoders import DecodeConfig
+    from dataclasses import asdict
+
     from models._wheels import resolve_cache_dir
     from prune.progress import progress_bar
-    from prune.scoring import ScoreConfig, cached_json, fingerprint, record_trajectories, score_layers
+    from prune.scoring import ScoreConfig, cached_json, cached_trajectories, fingerprint, score_layers, trajectory_key
 
     pair, prompts, drafter_dir, target_path, source = load_pair_and_prompts(args)
-    device, dtype = next(pair.drafter.parameters()).device, next(pair.drafter.parameters()).dtype
-    decode = DecodeConfig(max_new_tokens=args.max_new_tokens, stop_ids=pair.stop_ids, packed_budget=args.packed_budget)
+    decode, times = decode_config(args, pair, max_new_tokens=args.max_new_tokens)
     config = ScoreConfig(criterion=args.criterion, verify=args.verify, decode=decode, batch_size=args.batch_size,
                          bootstrap=args.bootstrap, seed=args.seed)
     config.validate()
     ids = [p.input_ids for p in prompts]
     cache = None if args.no_cache else resolve_cache_dir(args.cache_dir)
-    target_key = fingerprint(pair.target, str(dtype))
-    trajectories = None
-    if args.verify == "replay":
-        key = fingerprint("trajectories", target_key, ids, decode.max_new_tokens, decode.stop_ids)
-        trajectories = cached_json(cache / "trajectories" if cache else None, key,
-                                   lambda: record_trajectories(pair.target, ids, decode))
+    trajectories = cached_trajectories(cache, pair.target, ids, decode) if args.verify == "replay" else None
     drafter_hash = fingerprint(pair.drafter)
-    key = fingerprint("scores", drafter_hash, target_key, ids, config.criterion, config.verify,
-                      config.bootstrap, config.seed, decode.max_new_tokens, decode.packed_budget, str(device))
+    key = fingerprint("scores", drafter_hash, trajectory_key(pair.target, ids, decode), config.criterion,
+                      config.verify, config.bootstrap, config.seed, asdict(decode))
     layers = pair.drafter.config.num_hidden_layers
     with progress_bar("score", layers, enabled=show_progress(args.json)) as advance:
         report = cached_json(
             cache / "scores" if cache else None, key,
             lambda: score_layers(pair.drafter, ids, config, target=pair.target, trajectories=trajectories,
-                                 on_layer=lambda *_: advance()).to_dict(),
+                                 on_layer=lambda *_: advance(), times=times).to_dict(),
         )
     report["settings"].update({"drafter": drafter_dir, "target": target_path, "prompts_source": source})
     tracker = make_tracker(args, "score", {"settings": report["settings"], "drafter_hash": drafter_hash},

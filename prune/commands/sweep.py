@@ -7,10 +7,13 @@ import sys
 from ._common import (
     add_command,
     add_debug,
+    add_decode_args,
+    add_export_dtype_arg,
     add_heal_data_arg,
     add_model_args,
     add_prompt_args,
     add_tracking_args,
+    decode_config,
     heal_examples,
     load_pair_and_prompts,
     make_tracker,
@@ -72,8 +75,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--eval-prompts", default=None, metavar="FILE.jsonl", help="JSONL evaluation prompts instead")
     parser.add_argument("--eval-limit", type=int, default=8, help="evaluation prompts used")
     parser.add_argument("--verify", choices=("replay", "live"), default="replay", help="verification in scoring")
-    parser.add_argument("--packed-budget", type=int, default=64, help="async: candidate tokens per packed pass")
+    add_decode_args(parser)
     add_heal_data_arg(parser)  # without healing data the space's LoRA settings are not searched
+    add_export_dtype_arg(parser)
     add_tracking_args(parser)
     add_debug(parser)
     parser.set_defaults(run=run)
@@ -86,7 +90,8 @@ def run(args) -> int:
 
     out = args.out or f"sweep-{args.study}"
     config = SweepConfig(study=args.study, out=out, directions=tuple(args.directions),
-                         retention_floor=args.retention_floor, cost=args.cost, seed=args.seed)
+                         retention_floor=args.retention_floor, cost=args.cost, seed=args.seed,
+                         export_dtype=args.export_dtype)
     config.validate()
     space = SearchSpace.from_file(args.space)
     storage = make_storage(args.storage or f"sqlite:///{os.path.abspath(out)}/optuna.db", args.heartbeat, args.grace)
@@ -117,10 +122,9 @@ def _objective(args, config, space):
     """Load the pair, prompts and trajectories once per worker and build the trial objective."""
     from dataclasses import replace
 
-    from decode.decoders import DecodeConfig
     from decode.prompts import check_context, tokenize_records
     from models._wheels import resolve_cache_dir
-    from prune.scoring import ScoreConfig, cached_json, fingerprint, record_trajectories
+    from prune.scoring import ScoreConfig, cached_trajectories, fingerprint
     from sweeps.objective import PruningObjective, SweepData
 
     if args.limit is None:
@@ -130,19 +134,15 @@ def _objective(args, config, space):
                                             "prompts": args.eval_prompts, "limit": args.eval_limit})
     evaluation = tokenize_records(prompt_records(evaluation_args)[0], pair.tokenizer, not args.no_chat_template)
     check_context(evaluation, args.max_new_tokens, pair.drafter.config.block_size, pair.max_positions)
-    decode = DecodeConfig(max_new_tokens=args.max_new_tokens, stop_ids=pair.stop_ids, packed_budget=args.packed_budget)
+    decode, _ = decode_config(args, pair, max_new_tokens=args.max_new_tokens)
     config.score = ScoreConfig(verify=args.verify, decode=decode, bootstrap=200, seed=args.seed)
     config.heal = replace(config.heal, seed=args.seed)
     calibration_ids = [p.input_ids for p in calibration]
     evaluation_ids = [p.input_ids for p in evaluation]
     cache = resolve_cache_dir(args.cache_dir)
-    target_key = fingerprint(pair.target, args.dtype)
 
     def trajectories(ids):
-        if args.verify != "replay":
-            return None
-        key = fingerprint("trajectories", target_key, ids, decode.max_new_tokens, decode.stop_ids)
-        return cached_json(cache / "trajectories", key, lambda: record_trajectories(pair.target, ids, decode))
+        return cached_trajectories(cache, pair.target, ids, decode) if args.verify == "replay" else None
 
     examples, _ = heal_examples(args)
     if not examples:

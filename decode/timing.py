@@ -1,0 +1,139 @@
+"""Pass times measured on the decoding device: the inputs of the cost model (decode/cost.py).
+
+Every time is the median wall time (ms) of `repeats` passes after one untimed warm-up, over a context of
+`context` cached tokens, through the same runners, caches and worker thread as the decoders. The
+concurrent measurement runs a verify pass and a packed pass at once, split over the cores as the async
+decoder splits them, so the cost model's contention is that of the real round rather than an ideal.
+"""
+
+import statistics
+import time
+
+import torch
+
+from .cost import LayerCost, PassTimes
+from .decoders import DecodeConfig
+from .engine import DraftEngine, DraftRequest
+from .verifiers import LiveVerifier
+from .worker import draft_worker, thread_split
+from models.masks import BlockSpec
+from models.surgery import remove_layers
+
+
+def _median_ms(run, repeats: int, reset=None) -> float:
+    samples = []
+    for _ in range(repeats + 1):  # the first run warms up
+        start = time.perf_counter()
+        run()
+        samples.append(1000 * (time.perf_counter() - start))
+        if reset is not None:
+            reset()
+    return statistics.median(samples[1:])
+
+
+def _context_ids(count: int, vocab: int) -> list[int]:
+    return (torch.arange(count) % max(2, vocab)).tolist()  # the tokens' values do not change the cost
+
+
+class _DrafterProbe:
+    """A drafter engine holding `context` cached tokens, with a sync-draft and a full packed request."""
+
+    def __init__(self, drafter, packed_budget: int, context: int):
+        block = drafter.config.block_size
+        ids = _context_ids(context, drafter.config.mask_token_id)
+        candidates = max(1, min(block - 1, packed_budget // (block + 1)))
+        self.draft = DraftRequest(ids[:1], [BlockSpec(context)])
+        self.packed = DraftRequest(ids[:block], [BlockSpec(context + a, guess=ids[a]) for a in range(candidates)])
+        self.engine = DraftEngine(drafter, rows=1)
+        self.engine.forward([DraftRequest(ids, [])])
+        self.engine.keep([context])
+
+    def run(self, request: DraftRequest) -> None:
+        self.engine.forward([request])
+        self.engine.keep([0])  # back to the same cached context for the next sample
+
+
+class _TargetProbe:
+    """A live verifier holding `context` cached tokens; `run(width)` verifies `width` tokens and rolls back."""
+
+    def __init__(self, target, context: int):
+        self.context = context
+        self.ids = _context_ids(context, 100)
+        self.verifier = LiveVerifier(target)
+        self.verifier.prefill(self.ids)
+
+    def run(self, width: int) -> None:
+        self.verifier.verify(self.ids[:width])
+        self.verifier.commit(self.context)
+
+
+def drafter_pass_ms(drafter, packed_budget: int = 64, repeats: int = 5, context: int = 64) -> tuple[float, float]:
+    """(sync draft pass, full-budget packed pass) of `drafter`, ms."""
+    probe = _DrafterProbe(drafter, packed_budget, context)
+    return (_median_ms(lambda: probe.run(probe.draft), repeats),
+            _median_ms(lambda: probe.run(probe.packed), repeats))
+
+
+def target_pass_ms(target, widths, repeats: int = 5, context: int = 64) -> dict[int, float]:
+    """Target pass time per fed width (1 = an ar step), ms, measured interleaved across widths."""
+    probe = _TargetProbe(target, context)
+    samples = {width: [] for width in widths}
+    for width in widths:
+        probe.run(width)  # warm-up
+    for _ in range(repeats):
+        for width in widths:
+            start = time.perf_counter()
+            probe.run(width)
+            samples[width].append(1000 * (time.perf_counter() - start))
+    return {width: statistics.median(values) for width, values in samples.items()}
+
+
+def measure_pass_times(target, drafter, config: DecodeConfig, repeats: int = 5, context: int = 64) -> PassTimes:
+    """Everything the cost model needs for this pair on this device (about 40 passes of each model).
+
+    The verify slope is a least-squares fit over widths 1, B/4, B/2 and B (B the drafter's block size);
+    contention comes from a verify pass of width B/2 and the packed pass run concurrently.
+    """
+    block = config.block_size or drafter.config.block_size
+    widths = sorted({1, max(2, block // 4), max(2, block // 2), block})
+    verify = target_pass_ms(target, widths, repeats, context)
+    ar_ms = verify[1]
+    rest = [w for w in widths if w > 1]
+    slope = sum((verify[w] - ar_ms) * (w - 1) for w in rest) / sum((w - 1) ** 2 for w in rest)
+    draft_ms, packed_ms = drafter_pass_ms(drafter, config.packed_budget, repeats, context)
+    width = max(2, block // 2)
+    together = concurrent_pass_ms(target, drafter, width, config, repeats, context)
+    alone = (verify[width], packed_ms)
+    contention = (together - max(alone)) / min(alone) if min(alone) > 0 else 0.0
+    return PassTimes(ar_ms, max(0.0, slope), draft_ms, packed_ms, min(1.0, max(0.0, contention)))
+
+
+def concurrent_pass_ms(target, drafter, width: int, config: DecodeConfig, repeats: int = 5,
+                       context: int = 64) -> float:
+    """Wall time (ms) of a `width`-token verify pass and a full packed pass run at once, as the async
+    decoder runs them (packed pass on the worker thread, cores split by `config.draft_threads`)."""
+    target_probe = _TargetProbe(target, context)
+    drafter_probe = _DrafterProbe(drafter, config.packed_budget, context)
+    device = next(drafter.parameters()).device
+
+    def both():
+        drafter_probe.engine.mark_ready()
+        future = draft_worker().submit(drafter_probe.run, drafter_probe.packed)
+        target_probe.run(width)
+        future.result()
+
+    with thread_split(device, config.draft_threads):
+        return _median_ms(both, repeats)
+
+
+def drafter_layer_costs(drafter, packed_budget: int = 64, repeats: int = 5) -> tuple[LayerCost, LayerCost]:
+    """(sync draft, packed) pass time as affine functions of depth, fitted on `drafter` and on a copy
+    without its second half of layers (decode.cost.LayerCost)."""
+    layers = drafter.config.num_hidden_layers
+    full = drafter_pass_ms(drafter, packed_budget, repeats)
+    if layers < 2:
+        return LayerCost(0.0, full[0] / layers), LayerCost(0.0, full[1] / layers)
+    half = remove_layers(drafter, list(range(layers // 2, layers)))
+    shallow = drafter_pass_ms(half, packed_budget, repeats)
+    depth = half.config.num_hidden_layers
+    return (LayerCost.fit(layers, full[0], depth, shallow[0]), LayerCost.fit(layers, full[1], depth, shallow[1]))

@@ -1,0 +1,59 @@
+"""The worker thread that runs the async decoder's packed pass while the caller's thread verifies.
+
+One worker is created on first use and reused by every decode call (and by the timing of concurrent
+passes), so no call pays for a new thread. On a CPU the two concurrent passes would otherwise each ask
+for every core and fight over them; `thread_split` gives the worker `draft_threads` intra-op threads and
+the caller the rest for the duration of a decode (torch's thread count is per thread), then restores
+the caller's count. On a GPU the passes run on their own streams and the split does nothing.
+"""
+
+import contextlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+_WORKER: ThreadPoolExecutor | None = None
+
+
+def _forget_worker() -> None:
+    # A forked child inherits the executor object but not its thread: submitting to it would wait forever.
+    global _WORKER
+    _WORKER = None
+
+
+os.register_at_fork(after_in_child=_forget_worker)
+
+
+def draft_worker() -> ThreadPoolExecutor:
+    """The shared single-thread executor of packed passes."""
+    global _WORKER
+    if _WORKER is None:
+        _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3d-draft")
+    return _WORKER
+
+
+def default_draft_threads(total: int) -> int:
+    """Intra-op threads for the drafter's packed pass out of `total`: a quarter, at least one.
+
+    The drafter is small and its passes are bound by per-operation overhead, which more threads do not
+    shorten; the target's verify pass is bound by its weights' memory traffic and arithmetic, which they
+    do. On 2 cores this gives one thread each.
+    """
+    return max(1, total // 4)
+
+
+@contextlib.contextmanager
+def thread_split(device: torch.device, draft_threads: int | None = None):
+    """Within the block, the worker runs `draft_threads` threads and the caller the remaining ones (CPU)."""
+    if device.type != "cpu":
+        yield
+        return
+    total = torch.get_num_threads()
+    draft = draft_threads or default_draft_threads(total)
+    torch.set_num_threads(max(1, total - draft))
+    draft_worker().submit(torch.set_num_threads, draft).result()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(total)

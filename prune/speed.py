@@ -1,0 +1,47 @@
+"""The measured end of a pruning run: the unpruned and the final drafter against the target alone.
+
+Predicted speedups guide the run; this check is what a user asks of its result. The unpruned drafter,
+the final drafter and ar decode the same held-out prompts, interleaved per prompt after a warm-up, with
+the live target and the async decoder (decode.bench: one ar baseline, several drafters), and the state
+gets `speed`:
+
+    {"prompts": N, "source": "humaneval:eval", "max_new_tokens": T,
+     "base":  {"tau", "measured_speedup", "predicted_speedup", "speedup_limit", "exact"},
+     "final": {...}}
+
+predicted_speedup is the cost model at the tau, verify width and fallback rate measured in this check,
+with the campaign's pass times, so predicted and measured compare like for like.
+"""
+
+from dataclasses import replace
+
+from decode.bench import BenchConfig, run_bench
+from decode.cost import WidthPolicy
+from models.drafter import load_drafter
+
+from .progressive import campaign_times
+
+
+def measure_speed(state: dict, out, drafter, target, prompts, decode, source: str) -> dict:
+    """Measure the unpruned `drafter` and OUT/final (when a step was taken) on `prompts` (decode.prompts
+    Prompt list) with the async decoder; returns `state["speed"]` (see the module docstring)."""
+    weight = next(drafter.parameters())
+    final = None
+    if state["history"]:
+        final = load_drafter(f"{out}/{state['history'][-1]['folder']}", weight.dtype, weight.device)
+    drafters = [("base", drafter)] + ([("final", final)] if final is not None else [])
+    times = {name: campaign_times(state["timing"], model.config.num_hidden_layers) for name, model in drafters}
+    configs = {name: replace(decode, width_policy=WidthPolicy.from_times(t)) if decode.width_policy and t else decode
+               for name, t in times.items()}
+    config = BenchConfig(decode=decode, decoders=("ar", "async"))
+    report, _ = run_bench(drafters, target, prompts, config, decode_by_drafter=configs,
+                          times_by_drafter={name: t for name, t in times.items() if t is not None})
+    rows = ({"base": report["decoders"]} if final is None else
+            {entry["drafter"]: entry["decoders"] for entry in report["drafters"]})
+    speed = {"prompts": len(prompts), "source": source, "max_new_tokens": decode.max_new_tokens}
+    for name, decoders in rows.items():
+        row = decoders["async"]
+        speed[name] = {"tau": row["tau_macro"], "measured_speedup": row["speedup_vs_ar"],
+                       "predicted_speedup": row.get("predicted_speedup"), "speedup_limit": row.get("speedup_limit"),
+                       "exact": row["exact_match_vs_ar"]}
+    return speed

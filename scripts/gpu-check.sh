@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU check: the tests that exercise CUDA, then `prune bench` of the demo pair on cuda in bfloat16 and
+# float32 and the measured overlap of the verify and packed passes, as one table. About 5 minutes on one
+# H200. Needs the demo target already cached (no network on a GPU box): copy the cache folder
+# ($D3D_PRUNE_CACHE or ~/.cache/d3d-prune, the `targets/` and `suites` parts) there first, or set
+# D3D_PRUNE_CACHE to a copy of it.
+#
+#   bash scripts/gpu-check.sh            (OUT=dir to keep the JSON reports; default a temporary folder)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+PRUNE=${PRUNE:-.venv/bin/prune}
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+
+echo "== tests on cuda (CPU cases run too; nothing may skip for want of a GPU)"
+$PY -m pytest -q -rs tests/test_devices.py tests/test_lean.py tests/test_decoders.py 2>&1 | tee "$OUT/tests.txt"
+if grep -q "torch sees no CUDA" "$OUT/tests.txt"; then echo "gpu-check: torch sees no GPU" >&2; exit 1; fi
+
+for dtype in bfloat16 float32; do
+    echo "== prune bench on cuda, $dtype"
+    $PRUNE bench --device cuda --dtype "$dtype" --decoder all --suite humaneval:eval --limit 10 \
+        --max-new-tokens 128 --json "$OUT/bench-$dtype.json" > "$OUT/bench-$dtype.txt"
+    cat "$OUT/bench-$dtype.txt"
+done
+
+echo "== one table"
+$PY - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+print(f"{'dtype':9} {'decoder':9} {'tau':>6} {'ms/token':>9} {'speedup':>8} {'predicted':>9} {'exact':>6} {'limit':>6}")
+for dtype in ("bfloat16", "float32"):
+    report = json.loads((out / f"bench-{dtype}.json").read_text())
+    decoders = report.get("decoders") or report["drafters"][0]["decoders"]
+    for name, d in decoders.items():
+        cells = [d.get(k) for k in ("tau_macro", "time_per_token_ms", "speedup_vs_ar", "predicted_speedup",
+                                    "exact_match_vs_ar", "speedup_limit")]
+        text = ["-" if c is None else (str(c) if isinstance(c, bool) else f"{c:.2f}") for c in cells]
+        print(f"{dtype:9} {name:9} {text[0]:>6} {text[1]:>9} {text[2]:>8} {text[3]:>9} {text[4]:>6} {text[5]:>6}")
+    times = report["settings"].get("pass_times")
+    if times:
+        print(f"{dtype:9} pass times (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()))
+PY

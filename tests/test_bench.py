@@ -1,0 +1,54 @@
+"""transformers' baselines (decode.baselines) against our ar, and the bench's choice of decoders and layout."""
+
+import pytest
+
+from _pairs import prompt_ids, tiny_target
+from decode.baselines import BASELINES, BaselineConfig
+from decode.bench import DECODERS, BenchConfig, run_bench, select_decoders
+from decode.decoders import DecodeConfig, decode_ar
+from decode.prompts import Prompt
+from models.errors import ConfigError
+
+
+def test_generate_baselines_match_ar_under_our_stop_rule():
+    target = tiny_target()
+    prompt = prompt_ids(8)
+    free = decode_ar(target, prompt, DecodeConfig(max_new_tokens=30)).output_ids
+    # The model's own EOS is no stop unless it is a stop id, as for our decoders.
+    target.generation_config.eos_token_id = free[4]
+    stop = free[12]
+    configs = (DecodeConfig(max_new_tokens=30), DecodeConfig(max_new_tokens=30, stop_ids=(stop,)),
+               DecodeConfig(max_new_tokens=5), DecodeConfig(max_new_tokens=1))
+    for config in configs:
+        ar = decode_ar(target, prompt, config)
+        for name, baseline in BASELINES.items():
+            result = baseline(target, prompt, config, BaselineConfig(pld_tokens=4))
+            assert result.decoder == name and result.output_ids == ar.output_ids, (name, config)
+            assert result.rounds == [] and result.prompt_len == len(prompt)
+            assert result.prefill_s > 0 and result.decode_s >= 0
+    assert len(decode_ar(target, prompt, configs[1]).output_ids) == free.index(stop) + 1
+
+
+def test_decoder_selection():
+    assert select_decoders(["all"]) == ("ar", "sync", "async", "pld", "generate")
+    assert select_decoders(["all"], temperature=0.5) == DECODERS  # greedy baselines left out
+    assert select_decoders(["all"], verify="replay") == DECODERS
+    assert select_decoders(["generate", "ar", "pld"]) == ("ar", "pld", "generate")
+    with pytest.raises(ConfigError, match="choose from ar, sync, async, pld, generate or all"):
+        select_decoders(["ar", "fast"])
+    with pytest.raises(ConfigError, match="greedy"):
+        BenchConfig(DecodeConfig(temperature=0.5), decoders=("ar", "generate")).validate()
+
+
+def test_target_only_bench_without_drafters():
+    target = tiny_target()
+    prompts = [Prompt(f"p{i}", prompt_ids(6, seed=i)) for i in range(2)]
+    seen = []
+    config = BenchConfig(DecodeConfig(max_new_tokens=8), ("ar", "generate"))
+    report, outputs = run_bench([], target, prompts, config,
+                                on_result=lambda index, decoder, drafter, _: seen.append((index, decoder, drafter)))
+    assert seen == [(0, "ar", None), (0, "generate", None), (1, "ar", None), (1, "generate", None)]
+    assert list(outputs) == [(None, "ar"), (None, "generate")] and set(report["decoders"]) == {"ar", "generate"}
+    assert report["decoders"]["generate"]["exact_match_vs_ar"] is True and report["settings"]["drafter"] is None
+    with pytest.raises(ConfigError, match="needs a drafter"):
+        run_bench([], target, prompts, BenchConfig(DecodeConfig(max_new_tokens=8), ("ar", "sync")))

@@ -1,0 +1,76 @@
+"""The cost model (decode/cost.py) on synthetic pass times, and the adaptive verify width."""
+
+import pytest
+
+from decode.cost import PassTimes, WidthPolicy, predicted_speedup, round_ms, speedup_limit, time_per_token_ms
+
+
+def times(**overrides) -> PassTimes:
+    values = dict(ar_ms=40.0, per_token_ms=4.0, draft_ms=20.0, packed_ms=30.0, contention=0.0)
+    values.update(overrides)
+    return PassTimes(**values)
+
+
+def test_verify_time_grows_with_width():
+    t = times()
+    assert t.verify_ms(1) == 40.0 and t.verify_ms(5) == 56.0 and t.verify_ms(3.5) == pytest.approx(50.0)
+
+
+def test_sync_round_is_verify_plus_draft_and_ar_is_one_step():
+    t = times()
+    assert round_ms("sync", t, 5) == 56.0 + 20.0
+    assert time_per_token_ms("sync", t, tau=2.0, width=5) == pytest.approx(38.0)
+    assert time_per_token_ms("ar", t, tau=3.0, width=5) == 40.0  # tau does not apply to ar
+
+
+def test_concurrent_against_sequential_passes():
+    t = times()
+    # Perfect overlap: the longer pass; no overlap: both; contention 0.5: half of the shorter one on top.
+    assert round_ms("async", t, 5) == 56.0
+    assert round_ms("async", t, 5, concurrent=False) == 86.0
+    assert round_ms("async", times(contention=0.5), 5) == pytest.approx(56.0 + 15.0)
+    assert round_ms("async", times(contention=1.0), 5) == pytest.approx(round_ms("async", t, 5, concurrent=False))
+
+
+def test_hits_and_fallbacks():
+    t = times()
+    every_hit = round_ms("async", t, 5, fallback_rate=0.0)
+    every_miss = round_ms("async", t, 5, fallback_rate=1.0)
+    assert every_miss - every_hit == pytest.approx(t.draft_ms)
+    assert round_ms("async", t, 5, fallback_rate=0.25) == pytest.approx(every_hit + 5.0)
+
+
+def test_verify_bound_then_packed_bound_round():
+    # Verify-bound: a cheaper packed pass changes nothing.
+    assert round_ms("async", times(packed_ms=30.0), 5) == round_ms("async", times(packed_ms=10.0), 5) == 56.0
+    # Packed-bound: the packed pass outlasts verification and sets the round; a cheaper drafter helps.
+    assert round_ms("async", times(packed_ms=90.0), 5) == 90.0
+    assert round_ms("async", times(packed_ms=70.0), 5) == 70.0
+
+
+def test_speedup_and_limit():
+    t = times()
+    assert predicted_speedup("sync", t, tau=2.0, width=5) == pytest.approx(40.0 / 38.0)
+    # A free, always-hitting drafter reaches the limit exactly.
+    free = times(draft_ms=0.0, packed_ms=0.0)
+    assert predicted_speedup("async", free, tau=2.5, width=5) == pytest.approx(speedup_limit(t, 2.5, 5))
+    assert speedup_limit(t, 2.5, 5) == pytest.approx(2.5 * 40.0 / 56.0)
+    with pytest.raises(ValueError, match="no cost model"):
+        round_ms("beam", t, 5)
+
+
+def test_width_policy_follows_the_drafters_confidence():
+    policy = WidthPolicy.from_times(times())  # slope 0.1, fixed 0.5 (ratios to ar_ms)
+    assert (policy.slope, policy.fixed) == (0.1, 0.5)
+    assert policy.choose([0.99] * 15, 16) == 16  # a confident drafter: verify everything
+    assert policy.choose([0.05] * 15, 16) == 2  # hopeless drafts: verify one
+    sure_then_lost = [0.95, 0.95, 0.95, 0.02] + [0.5] * 11
+    assert policy.choose(sure_then_lost, 16) == 4
+    free_width = WidthPolicy(slope=0.0, fixed=0.5)
+    assert free_width.choose([0.5] * 15, 16) == 16  # verifying costs nothing more: take every draft
+
+
+def test_width_policy_is_robust_to_timing_noise():
+    a = WidthPolicy.from_times(times(per_token_ms=4.01, draft_ms=20.05))
+    b = WidthPolicy.from_times(times(per_token_ms=3.99, draft_ms=19.97))
+    assert a == b

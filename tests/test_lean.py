@@ -1,0 +1,134 @@
+"""The lean forward (models/lean.py) against transformers, its static cache, and the new decoder settings:
+adaptive verify width, split threads, lean against transformers' forward - all exact against ar."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+from _pairs import prompt_ids, tiny_target, trained_drafter
+from conftest import build_tiny_drafter
+from decode.cost import WidthPolicy
+from decode.decoders import DecodeConfig, decode_ar, decode_speculative
+from decode.engine import DraftEngine
+from decode.verifiers import LiveVerifier, ReplayVerifier
+from models.inference import TransformersDecoder, decoder_runner
+from models.lean import LeanDecoder
+from models.masks import BlockSpec, batch_layouts, block_layout
+
+
+def tiny_qwen2():
+    config = Qwen2Config(vocab_size=97, hidden_size=48, intermediate_size=53, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(3)
+    return Qwen2ForCausalLM(config).eval()  # q/k/v carry biases
+
+
+MODELS = {"llama": tiny_target, "qwen3 drafter": build_tiny_drafter, "qwen2": tiny_qwen2}
+
+
+@pytest.mark.parametrize("name", MODELS)
+@torch.inference_mode()
+def test_lean_matches_transformers_causal_with_cache(name):
+    model = MODELS[name]()
+    lean = LeanDecoder(model)
+    ids = torch.tensor([prompt_ids(11, seed=1)])
+    positions = torch.arange(11)[None]
+    want = model.model(input_ids=ids, position_ids=positions).last_hidden_state
+    cache = lean.new_cache(1, capacity=4)  # grows twice on the way
+    got = torch.cat([lean.forward(ids[:, :6], positions[:, :6], None, cache),
+                     lean.forward(ids[:, 6:7], positions[:, 6:7], None, cache),
+                     lean.forward(ids[:, 7:], positions[:, 7:], None, cache)], dim=1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert cache.length == 11 and cache.capacity >= 11
+    cache.crop(6)  # roll back and recompute the tail
+    torch.testing.assert_close(lean.forward(ids[:, 6:], positions[:, 6:], None, cache), want[:, 6:],
+                               atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_lean_matches_transformers_on_a_batched_block_layout():
+    model = build_tiny_drafter(block_size=4)
+    layouts = [block_layout(0, 5, [BlockSpec(4), BlockSpec(2, guess=7)], 4), block_layout(0, 3, [BlockSpec(2)], 4)]
+    batched = batch_layouts(layouts, 0, torch.float32, "cpu")
+    ids = torch.randint(0, 97, (2, batched.query_len), generator=torch.Generator().manual_seed(0))
+    lean, reference = LeanDecoder(model), TransformersDecoder(model)
+    got = lean.forward(ids, batched.positions, batched.mask, lean.new_cache(2))
+    want = reference.forward(ids, batched.positions, batched.mask, reference.new_cache(2))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_models_fall_back_to_transformers():
+    from peft import LoraConfig, get_peft_model
+
+    drafter = build_tiny_drafter()
+    assert isinstance(decoder_runner(drafter), LeanDecoder)
+    assert isinstance(decoder_runner(drafter, lean=False), TransformersDecoder)
+    adapted = get_peft_model(build_tiny_drafter(), LoraConfig(r=2, target_modules=["q_proj"]))
+    assert not LeanDecoder.supports(adapted.base_model.model)  # LoRA layers are not plain Linear
+    with pytest.raises(ValueError, match="not supported"):
+        LeanDecoder(adapted.base_model.model)
+
+
+@torch.inference_mode()
+def test_static_cache_keep_rows_matches_dynamic_cache():
+    model = build_tiny_drafter()
+    ids = torch.tensor([prompt_ids(6, seed=2), prompt_ids(6, seed=3)])
+    positions = torch.arange(6).expand(2, -1)
+    lean, reference = LeanDecoder(model), TransformersDecoder(model)
+    static, dynamic = lean.new_cache(2), reference.new_cache(2)
+    lean.forward(ids, positions, None, static)
+    reference.forward(ids, positions, None, dynamic)
+    keep = torch.tensor([[0, 1, 2, 3], [0, 2, 4, 5]])
+    static.keep_rows(keep)
+    dynamic.keep_rows(keep)
+    assert static.length == dynamic.length == 4
+    for layer in range(2):
+        torch.testing.assert_close(static.keys[layer][:, :, :4], dynamic.cache.layers[layer].keys)
+        torch.testing.assert_close(static.values[layer][:, :, :4], dynamic.cache.layers[layer].values)
+
+
+ADAPTIVE = WidthPolicy(slope=0.08, fixed=0.5)
+
+
+@pytest.mark.parametrize("setting", ["adaptive width", "one draft thread", "transformers forward"])
+@pytest.mark.parametrize("prompt_len", [3, 30])
+def test_new_settings_are_exact_against_ar(setting, prompt_len):
+    target, drafter = trained_drafter()
+    config = DecodeConfig(max_new_tokens=41)
+    prompt = prompt_ids(prompt_len, seed=200 + prompt_len)
+    reference = decode_ar(target, prompt, config).output_ids
+    if setting == "adaptive width":
+        config = replace(config, width_policy=ADAPTIVE)
+    elif setting == "one draft thread":
+        config = replace(config, draft_threads=1)
+    lean = setting != "transformers forward"
+    for decoder in ("sync", "async"):
+        verifier = LiveVerifier(target, lean=lean)
+        if not lean:
+            assert isinstance(verifier.runner, TransformersDecoder)
+        result = decode_speculative(decoder, drafter, [verifier], [prompt], config)[0]
+        assert result.output_ids == reference, (setting, decoder)
+    if setting == "adaptive width":
+        replayed = decode_speculative("async", drafter, [ReplayVerifier(prompt + reference)], [prompt], config)[0]
+        live = decode_speculative("async", drafter, [LiveVerifier(target)], [prompt], config)[0]
+        assert replayed.round_trace == live.round_trace and replayed.widths == live.widths
+        assert max(live.widths) <= drafter.config.block_size
+
+
+def test_adaptive_width_varies_with_the_drafters_confidence():
+    target, drafter = trained_drafter()
+    config = DecodeConfig(max_new_tokens=41, width_policy=ADAPTIVE)
+    widths = set()
+    for seed in range(4):
+        prompt = prompt_ids(3 + 9 * seed, seed=300 + seed)
+        widths |= set(decode_speculative("sync", drafter, [LiveVerifier(target)], [prompt], config)[0].widths)
+    assert len(widths) > 1 and widths <= set(range(2, drafter.config.block_size + 1))
+
+
+def test_draft_engine_runs_transformers_forward_when_asked():
+    drafter = build_tiny_drafter()
+    assert isinstance(DraftEngine(drafter).runner, LeanDecoder)
+    assert isinstance(DraftEngine(drafter, lean=False).runner, TransformersDecoder)
+    assert isinstance(TransformersDecoder(drafter).new_cache(1).cache, DynamicCache)
