@@ -30,7 +30,8 @@ class LiveVerifier:
     """Runs the target model with a KV cache (batch 1).
 
     Args:
-        model: any transformers causal LM (Llama-family models run the lean forward of models/lean.py).
+        model: any transformers causal LM (Llama-family models run the lean forward of models/lean.py, on
+            prepacked weights on a CPU: the target must not change while verifiers exist).
         temperature: 0 for greedy; > 0 returns softmax(logits / temperature) as well.
         lean: False forces transformers' own forward.
     """
@@ -41,7 +42,7 @@ class LiveVerifier:
         self.model = model
         self.temperature = temperature
         self.device = next(model.parameters()).device
-        self.runner = decoder_runner(model, lean)
+        self.runner = decoder_runner(model, lean, prepack="reuse")  # the target is frozen
         self.cache = None
         self.length = 0
 

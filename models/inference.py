@@ -72,12 +72,15 @@ class TransformersDecoder:
         return torch.tanh(logits / cap) * cap if cap else logits
 
 
-def decoder_runner(model: torch.nn.Module, lean: bool = True):
+def decoder_runner(model: torch.nn.Module, lean: bool = True, prepack: str | None = None):
     """The fastest runner for `model`'s decoder stack: `LeanDecoder` where it applies, else transformers'.
+
+    `prepack` ("reuse" for frozen models such as the target, "fresh" for models that may change between
+    runners): the lean forward runs on prepacked weights (models.lean.prepacked) where the device allows.
 
     Both run `forward(input_ids (batch, Q), positions (batch, Q), mask (batch, 1, Q, cache + Q) | None,
     cache) -> hidden (batch, Q, hidden_size)` over a cache from their `new_cache(rows)`.
     """
     if lean and LeanDecoder.supports(model):
-        return LeanDecoder(model)
+        return LeanDecoder(model, prepack=prepack)
     return TransformersDecoder(model)

@@ -19,6 +19,42 @@ import torch.nn.functional as F
 from .cache import StaticKV
 
 _ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+_PACKED_ATTR = "_d3d_packed_weights"  # where a model keeps its prepacked weights between decoders
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> torch.Tensor:
+    if not packed:
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    """True where oneDNN can hold weights prepacked for this CPU (float32 or bfloat16)."""
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def prepacked(model: torch.nn.Module, weights: list[torch.Tensor], reuse: bool = True) -> list[torch.Tensor]:
+    """oneDNN-prepacked copies of `weights`, made once per model and reused while the weights are unchanged.
+
+    A frozen model's matrices (the target's) are read many times a second at 1-16 rows, where a plain
+    GEMM re-packs its operand on every call: measured on 2 AVX2 cores, prepacked products of 1, 4 and 16
+    rows take 0.6x, 0.45x and 0.55x the time of F.linear. The copies double the weights' memory and are
+    rebuilt when any weight is replaced or modified in place (by data pointer and version counter); a
+    model whose weights change under `.data` without either moving must not be prepacked (drafters under
+    training or healing are packed afresh: `reuse=False`).
+    """
+    key = tuple((w.data_ptr(), w._version) for w in weights)
+    cached = getattr(model, _PACKED_ATTR, None) if reuse else None
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    with torch.inference_mode():
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+    if reuse:
+        object.__setattr__(model, _PACKED_ATTR, (key, packed))
+    return packed
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,9 +75,12 @@ class LeanDecoder:
 
     Args:
         model: a `*ForCausalLM` whose `model_type` is llama, mistral, qwen2 or qwen3 (see `supports`).
+        prepack: run the products on oneDNN-prepacked copies of the weights (`prepacked`; CPU only):
+            "reuse" keeps them on the model for later decoders (frozen models: the target), "fresh" packs
+            for this decoder only (models that may change between decoders: drafters), None does not pack.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, prepack: str | None = None):
         if not self.supports(model):
             raise ValueError(f"{type(model).__name__} is not supported by the lean forward")
         self.model = model
@@ -71,6 +110,15 @@ class LeanDecoder:
             ))
         self.device = self.embed.device
         self.dtype = self.embed.dtype
+        self.packed = prepack is not None and can_prepack(self.device, self.dtype)
+        self.head_weight = model.lm_head.weight
+        if self.packed:
+            matrices = [1, 3, 5, 7, 11, 12, 13]  # positions of q, k, v, o, gate, up, down in a layer tuple
+            flat = [layer[i] for layer in self.layers for i in matrices] + [self.head_weight]
+            packed = iter(prepacked(model, flat, reuse=prepack == "reuse"))
+            self.layers = [tuple(next(packed) if i in matrices else item for i, item in enumerate(layer))
+                           for layer in self.layers]
+            self.head_weight = next(packed)
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -99,6 +147,8 @@ class LeanDecoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's logits for `hidden` `(..., hidden_size)`."""
+        if self.packed:
+            return _linear(hidden.contiguous(), self.head_weight, None, True)
         return self.model.lm_head(hidden)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
@@ -127,9 +177,9 @@ class LeanDecoder:
             causal = False
         for index, (ln1, wq, bq, wk, bk, wv, bv, wo, nq, nk, ln2, wg, wu, wd) in enumerate(self.layers):
             x = _rms_norm(hidden, ln1, self.eps)
-            q = F.linear(x, wq, bq).view(batch, q_len, self.num_heads, self.head_dim)
-            k = F.linear(x, wk, bk).view(batch, q_len, self.num_kv_heads, self.head_dim)
-            v = F.linear(x, wv, bv).view(batch, q_len, self.num_kv_heads, self.head_dim)
+            q = _linear(x, wq, bq, self.packed).view(batch, q_len, self.num_heads, self.head_dim)
+            k = _linear(x, wk, bk, self.packed).view(batch, q_len, self.num_kv_heads, self.head_dim)
+            v = _linear(x, wv, bv, self.packed).view(batch, q_len, self.num_kv_heads, self.head_dim)
             if nq is not None:
                 q, k = _rms_norm(q, nq, self.eps), _rms_norm(k, nk, self.eps)
             q = _rotate(q.transpose(1, 2), cos, sin)
@@ -139,9 +189,10 @@ class LeanDecoder:
                 q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )
-            hidden = hidden + F.linear(attn.transpose(1, 2).reshape(batch, q_len, -1), wo)
+            hidden = hidden + _linear(attn.transpose(1, 2).reshape(batch, q_len, -1), wo, None, self.packed)
             x = _rms_norm(hidden, ln2, self.eps)
-            hidden = hidden + F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+            gated = F.silu(_linear(x, wg, None, self.packed)) * _linear(x, wu, None, self.packed)
+            hidden = hidden + _linear(gated, wd, None, self.packed)
         cache.advance(q_len)
         return _rms_norm(hidden, self.final_norm, self.eps)
 
