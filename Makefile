@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup data test demo bench demo-tiny clean
+.PHONY: setup data test demo bench demo-tiny gpu-check clean
 
 $(BIN)/prune: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ demo-tiny: setup
 	$(BIN)/python tests/make_tiny_pair.py $(DEMO_DIR)
 	$(BIN)/prune bench --drafter $(DEMO_DIR)/drafter --target $(DEMO_DIR)/target --prompts $(DEMO_DIR)/prompts.jsonl --max-new-tokens 96
 	$(BIN)/prune score --drafter $(DEMO_DIR)/drafter --target $(DEMO_DIR)/target --prompts $(DEMO_DIR)/prompts.jsonl --max-new-tokens 96 --no-cache
+
+# The GPU check (scripts/gpu-check.sh): CUDA tests, then the demo pair on cuda in bf16 and fp32, one table.
+gpu-check: setup
+	bash scripts/gpu-check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info
