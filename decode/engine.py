@@ -138,6 +138,7 @@ class DraftEngine:
             )
         return out
 
+    @torch.inference_mode()  # the cache buffers are inference tensors, made inside forward
     def keep(self, counts: list[int]) -> None:
         """After a pass, keep the first `counts[r]` chain tokens of each row in its cache."""
         new_lens = [c + k for c, k in zip(self.cache_lens, counts)]

@@ -132,3 +132,13 @@ def test_draft_engine_runs_transformers_forward_when_asked():
     assert isinstance(DraftEngine(drafter).runner, LeanDecoder)
     assert isinstance(DraftEngine(drafter, lean=False).runner, TransformersDecoder)
     assert isinstance(TransformersDecoder(drafter).new_cache(1).cache, DynamicCache)
+
+
+def test_batched_keep_runs_outside_inference_mode():
+    """The engine's cache buffers are inference tensors; trimming rows must work from ordinary code."""
+    engine = DraftEngine(build_tiny_drafter(block_size=4), rows=2)
+    from decode.engine import DraftRequest
+
+    engine.forward([DraftRequest(prompt_ids(5, seed=1), [BlockSpec(4)]), DraftRequest(prompt_ids(3, seed=2), [])])
+    engine.keep([5, 2])
+    assert engine.cache_lens == [5, 2] and engine.cache.length == 5
