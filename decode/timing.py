@@ -20,14 +20,12 @@ from models.masks import BlockSpec
 from models.surgery import remove_layers
 
 
-def _median_ms(run, repeats: int, reset=None) -> float:
+def _median_ms(run, repeats: int) -> float:
     samples = []
     for _ in range(repeats + 1):  # the first run warms up
         start = time.perf_counter()
         run()
         samples.append(1000 * (time.perf_counter() - start))
-        if reset is not None:
-            reset()
     return statistics.median(samples[1:])
 
 
@@ -126,11 +124,13 @@ def concurrent_pass_ms(target, drafter, width: int, config: DecodeConfig, repeat
         return _median_ms(both, repeats)
 
 
-def drafter_layer_costs(drafter, packed_budget: int = 64, repeats: int = 5) -> tuple[LayerCost, LayerCost]:
+def drafter_layer_costs(drafter, packed_budget: int = 64, repeats: int = 5,
+                        full: tuple[float, float] | None = None) -> tuple[LayerCost, LayerCost]:
     """(sync draft, packed) pass time as affine functions of depth, fitted on `drafter` and on a copy
-    without its second half of layers (decode.cost.LayerCost)."""
+    without its second half of layers (decode.cost.LayerCost). `full`: `drafter`'s own pass times when
+    already measured (measure_pass_times has them)."""
     layers = drafter.config.num_hidden_layers
-    full = drafter_pass_ms(drafter, packed_budget, repeats)
+    full = full or drafter_pass_ms(drafter, packed_budget, repeats)
     if layers < 2:
         return LayerCost(0.0, full[0] / layers), LayerCost(0.0, full[1] / layers)
     half = remove_layers(drafter, list(range(layers // 2, layers)))

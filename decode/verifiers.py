@@ -42,7 +42,7 @@ class LiveVerifier:
         self.model = model
         self.temperature = temperature
         self.device = next(model.parameters()).device
-        self.runner = decoder_runner(model, lean, prepack="reuse")  # the target is frozen
+        self.runner = decoder_runner(model, lean, prepack=True)  # the target is frozen
         self.cache = None
         self.length = 0
 

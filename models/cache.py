@@ -107,12 +107,8 @@ class StaticKV:
         self.reserve(max(0, new_length - self.length))
         index = keep.to(self.keys[0].device)[:, None, :, None].expand(-1, self.shape[1], -1, self.shape[3])
         for buffers in (self.keys, self.values):
-            for i, buffer in enumerate(buffers):
-                # A fresh buffer rather than an in-place write: the old one may be an inference tensor
-                # and this may run outside inference mode (or the reverse).
-                kept = buffer.new_empty(self.shape)
-                kept[:, :, :new_length] = torch.gather(buffer[:, :, : max(self.length, 1)], 2, index)
-                buffers[i] = kept
+            for buffer in buffers:
+                buffer[:, :, :new_length] = torch.gather(buffer[:, :, : max(self.length, 1)], 2, index)
         self.length = new_length
 
 

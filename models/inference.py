@@ -27,14 +27,7 @@ def drafter_hidden(
     Returns:
         Tensor `(batch, Q_max, hidden_size)` after the final norm.
     """
-    out = model.model(
-        input_ids=input_ids,
-        attention_mask=layout.mask,
-        position_ids=layout.positions,
-        cache=cache,
-        use_cache=True,
-    )
-    return out.last_hidden_state
+    return TransformersDecoder(model).forward(input_ids, layout.positions, layout.mask, DynamicKV(cache))
 
 
 def masked_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -72,11 +65,11 @@ class TransformersDecoder:
         return torch.tanh(logits / cap) * cap if cap else logits
 
 
-def decoder_runner(model: torch.nn.Module, lean: bool = True, prepack: str | None = None):
+def decoder_runner(model: torch.nn.Module, lean: bool = True, prepack: bool = False):
     """The fastest runner for `model`'s decoder stack: `LeanDecoder` where it applies, else transformers'.
 
-    `prepack` ("reuse" for frozen models such as the target, "fresh" for models that may change between
-    runners): the lean forward runs on prepacked weights (models.lean.prepacked) where the device allows.
+    `prepack` (frozen models only, such as the target): the lean forward runs on prepacked weights
+    (models.lean.prepacked) where the device allows.
 
     Both run `forward(input_ids (batch, Q), positions (batch, Q), mask (batch, 1, Q, cache + Q) | None,
     cache) -> hidden (batch, Q, hidden_size)` over a cache from their `new_cache(rows)`.

@@ -13,6 +13,8 @@ attached, other architectures). Numerics follow transformers' order of operation
 RoPE after the q/k norms); results match the transformers forward to float rounding, not bit for bit.
 """
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -36,25 +38,58 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def prepacked(model: torch.nn.Module, weights: list[torch.Tensor], reuse: bool = True) -> list[torch.Tensor]:
+def prepacked(model: torch.nn.Module, weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """oneDNN-prepacked copies of `weights`, made once per model and reused while the weights are unchanged.
 
     A frozen model's matrices (the target's) are read many times a second at 1-16 rows, where a plain
     GEMM re-packs its operand on every call: measured on 2 AVX2 cores, prepacked products of 1, 4 and 16
     rows take 0.6x, 0.45x and 0.55x the time of F.linear. The copies double the weights' memory and are
-    rebuilt when any weight is replaced or modified in place (by data pointer and version counter); a
-    model whose weights change under `.data` without either moving must not be prepacked (drafters under
-    training or healing are packed afresh: `reuse=False`).
+    rebuilt when any weight is replaced or modified in place (by data pointer and version counter). A
+    model whose weights may change under `.data` without either (a drafter under training or healing:
+    peft merges that way) must not be prepacked.
     """
     key = tuple((w.data_ptr(), w._version) for w in weights)
-    cached = getattr(model, _PACKED_ATTR, None) if reuse else None
+    cached = getattr(model, _PACKED_ATTR, None)
     if cached is not None and cached[0] == key:
         return cached[1]
     with torch.inference_mode():
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
-    if reuse:
-        object.__setattr__(model, _PACKED_ATTR, (key, packed))
+    object.__setattr__(model, _PACKED_ATTR, (key, packed))
     return packed
+
+
+class _Layer(NamedTuple):
+    """One decoder layer's tensors (biases and q/k norms None where the architecture has none)."""
+
+    input_norm: torch.Tensor
+    wq: torch.Tensor
+    bq: torch.Tensor | None
+    wk: torch.Tensor
+    bk: torch.Tensor | None
+    wv: torch.Tensor
+    bv: torch.Tensor | None
+    wo: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> "_Layer":
+        attn, mlp = layer.self_attn, layer.mlp
+        return cls(
+            layer.input_layernorm.weight,
+            attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias,
+            attn.v_proj.weight, attn.v_proj.bias, attn.o_proj.weight,
+            attn.q_norm.weight if hasattr(attn, "q_norm") else None,
+            attn.k_norm.weight if hasattr(attn, "k_norm") else None,
+            layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
+        )
+
+
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the _Layer fields that prepacking replaces
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,12 +110,11 @@ class LeanDecoder:
 
     Args:
         model: a `*ForCausalLM` whose `model_type` is llama, mistral, qwen2 or qwen3 (see `supports`).
-        prepack: run the products on oneDNN-prepacked copies of the weights (`prepacked`; CPU only):
-            "reuse" keeps them on the model for later decoders (frozen models: the target), "fresh" packs
-            for this decoder only (models that may change between decoders: drafters), None does not pack.
+        prepack: run the products on oneDNN-prepacked copies of the weights (`prepacked`; CPU only, and
+            only for frozen models such as the target).
     """
 
-    def __init__(self, model: torch.nn.Module, prepack: str | None = None):
+    def __init__(self, model: torch.nn.Module, prepack: bool = False):
         if not self.supports(model):
             raise ValueError(f"{type(model).__name__} is not supported by the lean forward")
         self.model = model
@@ -94,30 +128,15 @@ class LeanDecoder:
         self.embed = model.model.embed_tokens.weight
         self.final_norm = model.model.norm.weight
         self.rotary = model.model.rotary_emb
-        self.layers = []
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append((
-                layer.input_layernorm.weight,
-                attn.q_proj.weight, getattr(attn.q_proj, "bias", None),
-                attn.k_proj.weight, getattr(attn.k_proj, "bias", None),
-                attn.v_proj.weight, getattr(attn.v_proj, "bias", None),
-                attn.o_proj.weight,
-                attn.q_norm.weight if hasattr(attn, "q_norm") else None,
-                attn.k_norm.weight if hasattr(attn, "k_norm") else None,
-                layer.post_attention_layernorm.weight,
-                mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
-            ))
+        self.layers = [_Layer.of(layer) for layer in model.model.layers]
         self.device = self.embed.device
         self.dtype = self.embed.dtype
-        self.packed = prepack is not None and can_prepack(self.device, self.dtype)
+        self.packed = prepack and can_prepack(self.device, self.dtype)
         self.head_weight = model.lm_head.weight
         if self.packed:
-            matrices = [1, 3, 5, 7, 11, 12, 13]  # positions of q, k, v, o, gate, up, down in a layer tuple
-            flat = [layer[i] for layer in self.layers for i in matrices] + [self.head_weight]
-            packed = iter(prepacked(model, flat, reuse=prepack == "reuse"))
-            self.layers = [tuple(next(packed) if i in matrices else item for i, item in enumerate(layer))
-                           for layer in self.layers]
+            flat = [getattr(layer, name) for layer in self.layers for name in MATRICES] + [self.head_weight]
+            packed = iter(prepacked(model, flat))
+            self.layers = [layer._replace(**{name: next(packed) for name in MATRICES}) for layer in self.layers]
             self.head_weight = next(packed)
 
     @staticmethod
@@ -127,10 +146,8 @@ class LeanDecoder:
         inner = getattr(model, "model", None)
         if config is None or getattr(config, "model_type", None) not in _ARCHITECTURES or inner is None:
             return False
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-            if config.model_type != "llama":
-                return False
-        if getattr(config, "hidden_act", "silu") != "silu" or getattr(model, "peft_config", None):
+        windowed = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+        if windowed or getattr(config, "hidden_act", "silu") != "silu" or getattr(model, "peft_config", None):
             return False
         for layer in getattr(inner, "layers", []):
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -175,13 +192,13 @@ class LeanDecoder:
         if causal and start > 0:
             mask = _causal_mask(q_len, start, hidden.dtype, hidden.device)
             causal = False
-        for index, (ln1, wq, bq, wk, bk, wv, bv, wo, nq, nk, ln2, wg, wu, wd) in enumerate(self.layers):
-            x = _rms_norm(hidden, ln1, self.eps)
-            q = _linear(x, wq, bq, self.packed).view(batch, q_len, self.num_heads, self.head_dim)
-            k = _linear(x, wk, bk, self.packed).view(batch, q_len, self.num_kv_heads, self.head_dim)
-            v = _linear(x, wv, bv, self.packed).view(batch, q_len, self.num_kv_heads, self.head_dim)
-            if nq is not None:
-                q, k = _rms_norm(q, nq, self.eps), _rms_norm(k, nk, self.eps)
+        for index, w in enumerate(self.layers):
+            x = _rms_norm(hidden, w.input_norm, self.eps)
+            q = _linear(x, w.wq, w.bq, self.packed).view(batch, q_len, self.num_heads, self.head_dim)
+            k = _linear(x, w.wk, w.bk, self.packed).view(batch, q_len, self.num_kv_heads, self.head_dim)
+            v = _linear(x, w.wv, w.bv, self.packed).view(batch, q_len, self.num_kv_heads, self.head_dim)
+            if w.q_norm is not None:
+                q, k = _rms_norm(q, w.q_norm, self.eps), _rms_norm(k, w.k_norm, self.eps)
             q = _rotate(q.transpose(1, 2), cos, sin)
             k = _rotate(k.transpose(1, 2), cos, sin)
             keys, values = cache.write(index, k, v.transpose(1, 2))
@@ -189,10 +206,10 @@ class LeanDecoder:
                 q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )
-            hidden = hidden + _linear(attn.transpose(1, 2).reshape(batch, q_len, -1), wo, None, self.packed)
-            x = _rms_norm(hidden, ln2, self.eps)
-            gated = F.silu(_linear(x, wg, None, self.packed)) * _linear(x, wu, None, self.packed)
-            hidden = hidden + _linear(gated, wd, None, self.packed)
+            hidden = hidden + _linear(attn.transpose(1, 2).reshape(batch, q_len, -1), w.wo, None, self.packed)
+            x = _rms_norm(hidden, w.post_norm, self.eps)
+            gated = F.silu(_linear(x, w.w_gate, None, self.packed)) * _linear(x, w.w_up, None, self.packed)
+            hidden = hidden + _linear(gated, w.w_down, None, self.packed)
         cache.advance(q_len)
         return _rms_norm(hidden, self.final_norm, self.eps)
 

@@ -78,27 +78,33 @@ def campaign_times(timing: dict, layers: int):
     Reads the state's timing, including the older form `{"layers", "draft_ms", "packed_ms", "verify_ms",
     "ar_ms"}` (scaled by layer count, verify of the drafter's block of 16, no contention).
     """
-    from decode.cost import LayerCost, PassTimes
+    from decode.cost import PassTimes
 
     if "target" not in timing:  # a state written before the cost model
         if timing.get("verify_ms") is None:
             return None
-        per_layer = timing["draft_ms"] / timing["layers"], timing["packed_ms"] / timing["layers"]
-        slope = (timing["verify_ms"] - timing["ar_ms"]) / 15
-        return PassTimes(timing["ar_ms"], slope, per_layer[0] * layers, per_layer[1] * layers, contention=0.0)
-    if timing["target"] is None:
+        target = PassTimes(timing["ar_ms"], (timing["verify_ms"] - timing["ar_ms"]) / 15, 0.0, 0.0, contention=0.0)
+    elif timing["target"] is None:
         return None
-    draft, packed = LayerCost(*timing["draft"]), LayerCost(*timing["packed"])
-    return PassTimes(**timing["target"]).with_drafter(draft.at(layers), packed.at(layers))
+    else:
+        target = PassTimes(**timing["target"])
+    draft, packed = layer_costs(timing)
+    return target.with_drafter(draft.at(layers), packed.at(layers))
+
+
+def layer_costs(timing: dict):
+    """(sync draft, packed) decode.cost.LayerCost of this campaign's drafter (older states: proportional)."""
+    from decode.cost import LayerCost
+
+    if "packed" not in timing:
+        return (LayerCost(0.0, timing["draft_ms"] / timing["layers"]),
+                LayerCost(0.0, timing["packed_ms"] / timing["layers"]))
+    return LayerCost(*timing["draft"]), LayerCost(*timing["packed"])
 
 
 def packed_ms_at(timing: dict, layers: int) -> float:
     """Modelled packed-pass time (ms) of a `layers`-layer drafter of this campaign."""
-    from decode.cost import LayerCost
-
-    if "packed" not in timing:
-        return timing["packed_ms"] * layers / timing["layers"]
-    return LayerCost(*timing["packed"]).at(layers)
+    return layer_costs(timing)[1].at(layers)
 
 
 def predicted_speedup_at(evaluation, layers: int, timing: dict) -> float | None:
@@ -116,9 +122,10 @@ def measure_timing(drafter, score: ScoreConfig, target=None, times=None) -> dict
     """
     from decode.timing import drafter_layer_costs, measure_pass_times
 
-    draft, packed = drafter_layer_costs(drafter, score.decode.packed_budget, score.timing_repeats)
     if times is None and target is not None:
         times = measure_pass_times(target, drafter, score.decode, score.timing_repeats)
+    full = (times.draft_ms, times.packed_ms) if times is not None else None
+    draft, packed = drafter_layer_costs(drafter, score.decode.packed_budget, score.timing_repeats, full)
     return {"layers": drafter.config.num_hidden_layers, "draft": [draft.fixed_ms, draft.per_layer_ms],
             "packed": [packed.fixed_ms, packed.per_layer_ms], "target": times.to_dict() if times else None}
 
@@ -188,7 +195,8 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
             break
         with (progress or _silent)(f"step {len(state['history']) + 1}: scoring", layers) as advance:
             scores = score_layers(current, prompts, config.score, target=target, trajectories=trajectories,
-                                  on_layer=lambda *_: advance(), times=campaign_times(state["timing"], layers))
+                                  on_layer=lambda *_: advance(), times=campaign_times(state["timing"], layers),
+                                  layer_costs=layer_costs(state["timing"]))
         chosen = sorted(s.layer for s in scores.ranking()[:k])
         reduced = round_to_dtype(remove_layers(current, chosen), dtype)
         if k == 1:  # scoring already measured the drafter without exactly this layer

@@ -159,7 +159,8 @@ def bootstrap_interval(deltas: list[float], resamples: int, confidence: float, s
 
 
 def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=None, trajectories=None,
-                 on_layer=None, times: cost.PassTimes | None = None) -> ScoreReport:
+                 on_layer=None, times: cost.PassTimes | None = None,
+                 layer_costs: tuple[cost.LayerCost, cost.LayerCost] | None = None) -> ScoreReport:
     """Score every layer of `drafter` (see the module docstring).
 
     Args:
@@ -169,7 +170,11 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
         trajectories: recorded greedy trajectories (prompt + output) per prompt, for replay.
         on_layer: optional callback(layer index, LayerScore) after each layer, e.g. a progress bar.
         times: the pair's pass times (decode.timing.measure_pass_times); None measures them when a target
-            is given. The target's times are shared by every layer; each reduced drafter's are its own.
+            is given. The target's times are shared by every layer.
+        layer_costs: (sync draft, packed) pass time as functions of depth (decode.timing.drafter_layer_costs):
+            the drafters' pass times are then modelled, not timed per layer (a pruning campaign passes its
+            own, so a scoring round spends no time on timing and its speedup scores carry no timing noise);
+            None times the drafter and every reduced drafter.
     """
     config.validate()
     if config.verify == "replay" and trajectories is None:
@@ -182,7 +187,13 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
     if times is None and target is not None:
         times = measure_pass_times(target, drafter, config.decode, config.timing_repeats)
     base = evaluate(drafter, prompts, config, trajectories, target)
-    base_draft_ms, base_packed_ms = drafter_pass_ms(drafter, config.decode.packed_budget, config.timing_repeats)
+
+    def pass_ms(model) -> tuple[float, float]:
+        if layer_costs is not None:
+            return tuple(c.at(model.config.num_hidden_layers) for c in layer_costs)
+        return drafter_pass_ms(model, config.decode.packed_budget, config.timing_repeats)
+
+    base_draft_ms, base_packed_ms = pass_ms(drafter)
     base_speedup = base.predicted_speedup(times and times.with_drafter(base_draft_ms, base_packed_ms))
     if config.criterion == "speedup" and base_speedup is None:
         raise ConfigError("the speedup criterion needs the target's pass times; pass the target")
@@ -193,7 +204,7 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
         evaluation = evaluate(reduced, prompts, config, trajectories, target)
         deltas = [b - r for b, r in zip(base.tau_per_prompt, evaluation.tau_per_prompt)]
         low, high = bootstrap_interval(deltas, config.bootstrap, config.confidence, config.seed + layer)
-        draft_ms, packed_ms = drafter_pass_ms(reduced, config.decode.packed_budget, config.timing_repeats)
+        draft_ms, packed_ms = pass_ms(reduced)
         speedup = evaluation.predicted_speedup(times and times.with_drafter(draft_ms, packed_ms))
         delta = base.tau - evaluation.tau
         score = delta if config.criterion == "tau" else base_speedup - speedup
@@ -211,17 +222,39 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
                        times.to_dict() if times is not None else None)
 
 
+_WEIGHTS_DIGEST = "_d3d_weights_digest"  # where a module keeps the digest of its weights
+
+
 def fingerprint(*parts) -> str:
-    """A stable sha256 over JSON-able parts and tensors' bytes (for cache keys)."""
+    """A stable sha256 over JSON-able parts and modules' weights (for cache keys). A module alone gives the
+    sha256 of its weights' names and bytes (the drafter hash that reports carry)."""
+    if len(parts) == 1 and isinstance(parts[0], torch.nn.Module):
+        return _weights_digest(parts[0])
     digest = hashlib.sha256()
     for part in parts:
         if isinstance(part, torch.nn.Module):
-            for name, tensor in sorted(part.state_dict().items()):
-                digest.update(name.encode())
-                digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+            digest.update(_weights_digest(part).encode())
         else:
             digest.update(json.dumps(part, sort_keys=True, default=str).encode())
     return digest.hexdigest()
+
+
+def _weights_digest(module: torch.nn.Module) -> str:
+    """sha256 of a module's state (names and bytes), kept on the module while no tensor moves or changes
+    in place: one command keys several caches by the same target and drafter, and hashing a target's
+    weights takes seconds. A change made through `.data` moves neither and is not seen: hash a model
+    after such a change (a merged heal) only as a fresh copy."""
+    state = sorted(module.state_dict().items())
+    key = tuple((tensor.data_ptr(), tensor._version) for _, tensor in state)
+    cached = getattr(module, _WEIGHTS_DIGEST, None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    digest = hashlib.sha256()
+    for name, tensor in state:
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    object.__setattr__(module, _WEIGHTS_DIGEST, (key, digest.hexdigest()))
+    return getattr(module, _WEIGHTS_DIGEST)[1]
 
 
 def trajectory_key(target, prompts: list[list[int]], decode: DecodeConfig) -> str:

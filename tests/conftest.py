@@ -5,6 +5,7 @@ head_dim 8) so that a swapped axis fails loudly instead of broadcasting. Ids 0..
 97 is the mask token and 98 is a padding row of the embedding (draft_vocab_size = 97).
 """
 
+import contextlib
 import os
 
 import pytest
@@ -67,3 +68,24 @@ def saved_tiny_drafter(tmp_path):
     folder = save_drafter(model, tmp_path / "drafter")
     return model, folder
 
+
+
+@contextlib.contextmanager
+def export_interrupted_at(monkeypatch, call: int):
+    """Within the block, the `call`-th step export of prune.progressive raises KeyboardInterrupt (a kill
+    while a step is written); the real export is restored on leaving."""
+    from prune import progressive
+
+    real_export, calls = progressive.export_step, []
+
+    def interrupted_export(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return real_export(*args, **kwargs)
+
+    monkeypatch.setattr(progressive, "export_step", interrupted_export)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(progressive, "export_step", real_export)

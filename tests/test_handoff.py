@@ -8,9 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import prune.progressive as progressive
 from _pairs import prompt_ids, tiny_target
-from conftest import build_tiny_drafter
+from conftest import build_tiny_drafter, export_interrupted_at
 from decode.decoders import DecodeConfig
 from models.checkpoint import atomic_write_text
 from models.drafter import load_drafter, save_drafter
@@ -113,18 +112,8 @@ def test_a_run_exporting_bf16_resumes_exactly_and_records_the_tau_of_its_files(t
         assert weight_dtypes(step) == {"BF16"}
         assert evaluate(load_drafter(step), prompts, score, trajectories).tau == record["tau"]
 
-    real_export, calls = progressive.export_step, []
-
-    def interrupted_export(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real_export(*args, **kwargs)
-
-    monkeypatch.setattr(progressive, "export_step", interrupted_export)
-    with pytest.raises(KeyboardInterrupt):
+    with export_interrupted_at(monkeypatch, 2), pytest.raises(KeyboardInterrupt):
         run(tmp_path / "resumed")
-    monkeypatch.setattr(progressive, "export_step", real_export)
     resumed = run(tmp_path / "resumed", resume=True)
     same = ("removed_original", "tau_before_heal", "tau", "heal_rolled_back", "heal_loss")
     assert [{k: h[k] for k in same} for h in resumed["history"]] == [{k: h[k] for k in same} for h in full["history"]]

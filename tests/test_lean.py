@@ -135,10 +135,14 @@ def test_draft_engine_runs_transformers_forward_when_asked():
 
 
 def test_batched_keep_runs_outside_inference_mode():
-    """The engine's cache buffers are inference tensors; trimming rows must work from ordinary code."""
-    engine = DraftEngine(build_tiny_drafter(block_size=4), rows=2)
+    """A pass that outgrows the cache makes its buffers inference tensors (they grow inside the pass);
+    trimming rows afterwards, from ordinary code, must still work."""
     from decode.engine import DraftRequest
 
-    engine.forward([DraftRequest(prompt_ids(5, seed=1), [BlockSpec(4)]), DraftRequest(prompt_ids(3, seed=2), [])])
-    engine.keep([5, 2])
-    assert engine.cache_lens == [5, 2] and engine.cache.length == 5
+    engine = DraftEngine(build_tiny_drafter(block_size=4), rows=2)
+    long = engine.cache.capacity + 10
+    engine.forward([DraftRequest(prompt_ids(long, seed=1), [BlockSpec(long - 1)]),
+                    DraftRequest(prompt_ids(3, seed=2), [])])
+    assert engine.cache.keys[0].is_inference()
+    engine.keep([long, 2])
+    assert engine.cache_lens == [long, 2] and engine.cache.length == long

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-import prune.progressive as progressive
 from _pairs import prompt_ids, trained_drafter
+from conftest import export_interrupted_at
 from decode.decoders import DecodeConfig
 from models.drafter import save_drafter
 from models.errors import CheckpointError, ConfigError
@@ -61,21 +61,10 @@ def test_run_exports_steps_and_a_resumed_run_ends_identically(campaign, tmp_path
     removed = [i for h in full["history"] for i in h["removed_original"]]
     assert sorted(kept + removed) == [0, 1, 2]
 
-    real_export = progressive.export_step
-    calls = []
-
-    def interrupted_export(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real_export(*args, **kwargs)
-
-    monkeypatch.setattr(progressive, "export_step", interrupted_export)
-    with pytest.raises(KeyboardInterrupt):
+    with export_interrupted_at(monkeypatch, 2), pytest.raises(KeyboardInterrupt):
         run(campaign, tmp_path / "resumed", config_of(decode))
     state = json.loads((tmp_path / "resumed" / "state.json").read_text())
     assert len(state["history"]) == 1 and not (tmp_path / "resumed" / "step-02").exists()
-    monkeypatch.setattr(progressive, "export_step", real_export)
     resumed = run(campaign, tmp_path / "resumed", config_of(decode), resume=True)
     # Pass times are measured once per campaign (stored in its state, reused on resume); two campaigns
     # measure their own, so only the timing-derived numbers may differ between them.
