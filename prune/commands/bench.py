@@ -214,6 +214,8 @@ def _short_names(drafters: list[str]) -> tuple[str | None, dict[str, str]]:
     if not drafters:
         return None, {}
     folder = os.path.commonpath([os.path.dirname(os.path.abspath(d)) for d in drafters])
+    if folder == os.path.dirname(folder):  # nothing shared but the root: the paths as given read better
+        return None, {d: d for d in drafters}
     return folder, {d: os.path.relpath(os.path.abspath(d), folder) for d in drafters}
 
 
