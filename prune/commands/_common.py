@@ -67,13 +67,15 @@ def add_decode_args(parser) -> None:
                         "(default: a quarter of the threads, at least 1)")
 
 
-def decode_config(args, pair, drafter=None, log=None, **fields):
+def decode_config(args, pair, drafter=None, log=None, target_times=None, **fields):
     """The DecodeConfig of `add_decode_args` flags for `pair` (and `drafter`, default the pair's), and the
     pair's pass times (decode.cost.PassTimes; the adaptive width policy is derived from them).
 
     Pass times are measured once per drafter, target, device, dtype, thread count and packed budget and
     kept in the cache folder (unless --no-cache), so that repeated runs choose the same widths: decisions,
-    tau and the score cache stay reproducible on one machine. `fields` set other DecodeConfig attributes.
+    tau and the score cache stay reproducible on one machine. `target_times`: pass times of the same target
+    with another drafter; only this drafter's passes are then measured, so drafters compared in one run
+    share one measurement of the target. `fields` set other DecodeConfig attributes.
     """
     import platform
 
@@ -81,7 +83,7 @@ def decode_config(args, pair, drafter=None, log=None, **fields):
 
     from decode.cost import PassTimes, WidthPolicy
     from decode.decoders import DecodeConfig
-    from decode.timing import measure_pass_times
+    from decode.timing import drafter_pass_ms, measure_pass_times
     from models._wheels import resolve_cache_dir
     from models.errors import ConfigError
     from prune.scoring import cached_json, fingerprint
@@ -102,8 +104,12 @@ def decode_config(args, pair, drafter=None, log=None, **fields):
 
     def measure():
         (log or _stderr)("measuring the pair's pass times for the cost model (once; cached) ...")
+        if target_times is not None:
+            return target_times.with_drafter(*drafter_pass_ms(drafter, config.packed_budget)).to_dict()
         return measure_pass_times(pair.target, drafter, config).to_dict()
 
+    if target_times is not None:
+        key = fingerprint(key, target_times.to_dict())
     times = PassTimes(**cached_json(cache and cache / "pass-times", key, measure))
     if args.width == "fixed":
         return config, times

@@ -95,8 +95,12 @@ def run(args) -> int:
     pair, prompts, drafters, target_path, source = load_models_and_prompts(args)
     fields = dict(max_new_tokens=args.max_new_tokens, block_size=args.block_size, temperature=args.temperature,
                   seed=args.seed, fan_out=args.fan_out, concurrent=not args.sequential)
-    per_drafter = {name: decode_config(args, pair, drafter, **fields) for name, drafter in drafters}
-    decode = per_drafter[drafters[0][0]][0]
+    first_name, first = drafters[0]
+    per_drafter = {first_name: decode_config(args, pair, first, **fields)}
+    target_times = per_drafter[first_name][1]  # one measurement of the target for every drafter
+    for name, drafter in drafters[1:]:
+        per_drafter[name] = decode_config(args, pair, drafter, target_times=target_times, **fields)
+    decode = per_drafter[first_name][0]
     decoders = select_decoders(args.decoder, args.temperature, args.verify)
     config = BenchConfig(decode=decode, decoders=decoders, verify=args.verify, replay_batch=args.replay_batch,
                          baselines=BaselineConfig(pld_tokens=args.pld_tokens))
@@ -132,7 +136,12 @@ def load_models_and_prompts(args):
     from models.drafter import load_drafter, validate_checkpoint
     from models.target import check_pair, load_tokenizer, target_config_of
 
+    from models.errors import ConfigError
+
     first, *others = args.drafter or [None]  # None: the demo drafter
+    twice = [folder for folder in others if (args.drafter or []).count(folder) > 1]
+    if twice:  # before anything loads or is measured
+        raise ConfigError(f"drafter {twice[0]} is given twice; pass each drafter once")
     first_args = argparse.Namespace(**{**vars(args), "drafter": first})  # what the shared loaders read
     if others:
         target_path = model_paths(first_args)[1]
