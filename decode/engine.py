@@ -114,7 +114,8 @@ class DraftEngine:
             input_ids = torch.full((len(inputs), q_max), self.mask_id, dtype=torch.long)
             for row, ids in enumerate(inputs):
                 input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            hidden = self.runner.forward(input_ids.to(self.device), batched.positions, batched.mask, self.cache)
+            hidden = self.runner.forward(input_ids.to(self.device), batched.positions, batched.mask, self.cache,
+                                         lengths=[len(ids) for ids in inputs])
             return self._read_blocks(hidden, layouts)
 
     def _read_blocks(self, hidden: torch.Tensor, layouts) -> list[list[BlockPrediction]]:
@@ -124,7 +125,9 @@ class DraftEngine:
         index_r = torch.cat([torch.full((self.block_size,), r) for r, _ in rows])
         index_q = torch.cat([layouts[r].slot_rows[n] for r, n in rows])
         logits = masked_logits(self.model, hidden[index_r.to(self.device), index_q.to(self.device)])
-        top_p, top_i = torch.softmax(logits, dim=-1).topk(self.fan_out + 1, dim=-1)  # (blocks * B, F + 1)
+        # The few top probabilities without the full softmax: exp(logit - logsumexp) (blocks * B, F + 1).
+        top_l, top_i = logits.topk(self.fan_out + 1, dim=-1)
+        top_p = (top_l - logits.logsumexp(dim=-1, keepdim=True)).exp()
         top_p = top_p.view(len(rows), self.block_size, -1).tolist()
         top_i = top_i.view(len(rows), self.block_size, -1).tolist()
         out: list[list[BlockPrediction]] = [[] for _ in layouts]

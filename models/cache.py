@@ -102,13 +102,20 @@ class StaticKV:
         self.length = length
 
     def keep_rows(self, keep: torch.Tensor) -> None:
-        """Row r keeps the old slots `keep[r]` `(rows, new_length)`, left-aligned (see `keep_rows`)."""
+        """Row r keeps the old slots `keep[r]` `(rows, new_length)`, left-aligned (see `keep_rows`).
+
+        Only the slots that move are copied: after a pass a row keeps its old prefix where it is and moves
+        a few new slots down, so a full gather would copy the whole cache to change a handful of slots.
+        """
         new_length = keep.shape[1]
         self.reserve(max(0, new_length - self.length))
-        index = keep.to(self.keys[0].device)[:, None, :, None].expand(-1, self.shape[1], -1, self.shape[3])
-        for buffers in (self.keys, self.values):
-            for buffer in buffers:
-                buffer[:, :, :new_length] = torch.gather(buffer[:, :, : max(self.length, 1)], 2, index)
+        keep = keep.to(self.keys[0].device)
+        rows, slots = (keep != torch.arange(new_length, device=keep.device)).nonzero(as_tuple=True)
+        if len(rows):
+            sources = keep[rows, slots]
+            for buffers in (self.keys, self.values):
+                for buffer in buffers:
+                    buffer[rows, :, slots] = buffer[rows, :, sources]  # the right side is read first
         self.length = new_length
 
 

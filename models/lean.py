@@ -169,7 +169,7 @@ class LeanDecoder:
         return self.model.lm_head(hidden)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                cache: StaticKV) -> torch.Tensor:
+                cache: StaticKV, lengths: list[int] | None = None) -> torch.Tensor:
         """Hidden states after the final norm.
 
         Args:
@@ -178,6 +178,9 @@ class LeanDecoder:
             mask: additive float mask `(batch, 1, Q, cache.length + Q)` (0 visible, -inf hidden), or None
                 for plain causal attention over the whole cache.
             cache: appended to in place (Q new key slots per row).
+            lengths: real (left-aligned) tokens per row when rows are padded to Q; the products then run
+                on the real tokens only (a batch of rows of unequal length wastes no arithmetic on its
+                padding), and the padded positions' outputs are zeros. None: every position is real.
 
         Returns:
             Tensor `(batch, Q, hidden_size)`.
@@ -185,7 +188,8 @@ class LeanDecoder:
         batch, q_len = input_ids.shape
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(hidden, positions)
-        cos, sin = cos[:, None], sin[:, None]  # (batch, 1, Q, head_dim)
+        ragged = _Ragged.of(lengths, batch, q_len, hidden.device)
+        hidden, cos, sin = ragged.pack(hidden), ragged.pack(cos)[..., None, :], ragged.pack(sin)[..., None, :]
         start = cache.length
         cache.reserve(q_len)
         causal = mask is None and q_len > 1
@@ -193,25 +197,64 @@ class LeanDecoder:
             mask = _causal_mask(q_len, start, hidden.dtype, hidden.device)
             causal = False
         for index, w in enumerate(self.layers):
-            x = _rms_norm(hidden, w.input_norm, self.eps)
-            q = _linear(x, w.wq, w.bq, self.packed).view(batch, q_len, self.num_heads, self.head_dim)
-            k = _linear(x, w.wk, w.bk, self.packed).view(batch, q_len, self.num_kv_heads, self.head_dim)
-            v = _linear(x, w.wv, w.bv, self.packed).view(batch, q_len, self.num_kv_heads, self.head_dim)
-            if w.q_norm is not None:
-                q, k = _rms_norm(q, w.q_norm, self.eps), _rms_norm(k, w.k_norm, self.eps)
-            q = _rotate(q.transpose(1, 2), cos, sin)
-            k = _rotate(k.transpose(1, 2), cos, sin)
-            keys, values = cache.write(index, k, v.transpose(1, 2))
-            attn = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale,
-                enable_gqa=self.num_heads != self.num_kv_heads,
-            )
-            hidden = hidden + _linear(attn.transpose(1, 2).reshape(batch, q_len, -1), w.wo, None, self.packed)
+            attn = self._attention(index, w, _rms_norm(hidden, w.input_norm, self.eps), cos, sin, ragged,
+                                   mask, causal, cache)
+            hidden = hidden + _linear(attn, w.wo, None, self.packed)
             x = _rms_norm(hidden, w.post_norm, self.eps)
             gated = F.silu(_linear(x, w.w_gate, None, self.packed)) * _linear(x, w.w_up, None, self.packed)
             hidden = hidden + _linear(gated, w.w_down, None, self.packed)
         cache.advance(q_len)
-        return _rms_norm(hidden, self.final_norm, self.eps)
+        return ragged.unpack(_rms_norm(hidden, self.final_norm, self.eps))
+
+    def _attention(self, index: int, w: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   ragged: "_Ragged", mask: torch.Tensor | None, causal: bool, cache: StaticKV) -> torch.Tensor:
+        """Self-attention of layer `index` for tokens `x` `(*tokens, hidden_size)` (packed or padded as
+        `ragged` says); returns `(*tokens, heads * head_dim)`, before the output projection."""
+        tokens = x.shape[:-1]
+        q = _linear(x, w.wq, w.bq, self.packed).view(*tokens, self.num_heads, self.head_dim)
+        k = _linear(x, w.wk, w.bk, self.packed).view(*tokens, self.num_kv_heads, self.head_dim)
+        v = _linear(x, w.wv, w.bv, self.packed).view(*tokens, self.num_kv_heads, self.head_dim)
+        if w.q_norm is not None:
+            q, k = _rms_norm(q, w.q_norm, self.eps), _rms_norm(k, w.k_norm, self.eps)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        # Attention needs the rows' (batch, heads, Q, head_dim) layout; the cache stores every slot.
+        q, k, v = (ragged.unpack(t).transpose(1, 2) for t in (q, k, v))
+        keys, values = cache.write(index, k, v)
+        attn = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return ragged.pack(attn.transpose(1, 2)).flatten(-2)
+
+
+class _Ragged:
+    """Moves per-token tensors between the padded `(batch, Q, ...)` layout and a packed `(tokens, ...)`
+    one holding only each row's first `lengths[r]` positions. With no padding to skip, both are identity
+    (the packed layout is the padded one)."""
+
+    def __init__(self, index: torch.Tensor | None, batch: int, q_len: int):
+        self.index, self.batch, self.q_len = index, batch, q_len
+
+    @classmethod
+    def of(cls, lengths: list[int] | None, batch: int, q_len: int, device) -> "_Ragged":
+        if lengths is None or sum(lengths) == batch * q_len:
+            return cls(None, batch, q_len)
+        index = torch.cat([torch.arange(r * q_len, r * q_len + n) for r, n in enumerate(lengths)])
+        return cls(index.to(device), batch, q_len)
+
+    def pack(self, padded: torch.Tensor) -> torch.Tensor:
+        """`(batch, Q, ...)` -> `(tokens, ...)`."""
+        if self.index is None:
+            return padded
+        return padded.reshape(self.batch * self.q_len, *padded.shape[2:])[self.index]
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """`(tokens, ...)` -> `(batch, Q, ...)`, zeros at the padding."""
+        if self.index is None:
+            return packed
+        padded = packed.new_zeros(self.batch * self.q_len, *packed.shape[1:])
+        padded[self.index] = packed
+        return padded.view(self.batch, self.q_len, *packed.shape[1:])
 
 
 def _causal_mask(q_len: int, cached: int, dtype: torch.dtype, device) -> torch.Tensor:

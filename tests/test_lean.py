@@ -59,6 +59,32 @@ def test_lean_matches_transformers_on_a_batched_block_layout():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+
+@torch.inference_mode()
+def test_ragged_rows_skip_the_padding_and_match_the_padded_forward():
+    """With `lengths`, the products run on the real tokens only: real positions match the padded forward,
+    padded ones are zeros, and the cache is the same at every real slot (a second pass reads it)."""
+    model = build_tiny_drafter(block_size=4)
+    layouts = [block_layout(0, 5, [BlockSpec(4), BlockSpec(2, guess=7)], 4), block_layout(0, 3, [BlockSpec(2)], 4)]
+    batched = batch_layouts(layouts, 0, torch.float32, "cpu")
+    lengths = [layout.query_len for layout in layouts]
+    assert lengths[1] < batched.query_len  # the second row is padded
+    ids = torch.randint(0, 97, (2, batched.query_len), generator=torch.Generator().manual_seed(0))
+    lean = LeanDecoder(model)
+    padded_cache, ragged_cache = lean.new_cache(2), lean.new_cache(2)
+    want = lean.forward(ids, batched.positions, batched.mask, padded_cache)
+    got = lean.forward(ids, batched.positions, batched.mask, ragged_cache, lengths=lengths)
+    for row, n in enumerate(lengths):
+        torch.testing.assert_close(got[row, :n], want[row, :n], atol=1e-5, rtol=1e-5)
+        assert not got[row, n:].any()
+    for cache in (padded_cache, ragged_cache):
+        cache.keep_rows(torch.tensor([[0, 1, 2, 3, 4], [0, 1, 2, 2, 2]]))
+    follow = batch_layouts([block_layout(5, 1, [], 4), block_layout(3, 1, [], 4)], 5, torch.float32, "cpu")
+    step = torch.tensor([[5], [6]])
+    torch.testing.assert_close(
+        lean.forward(step, follow.positions, follow.mask, ragged_cache, lengths=[1, 1]),
+        lean.forward(step, follow.positions, follow.mask, padded_cache), atol=1e-5, rtol=1e-5)
+
 def test_unsupported_models_fall_back_to_transformers():
     from peft import LoraConfig, get_peft_model
 
