@@ -1,7 +1,8 @@
 """Pass times measured on the decoding device: the inputs of the cost model (decode/cost.py).
 
 Every time is the median wall time (ms) of `repeats` passes after one untimed warm-up, over a context of
-`context` cached tokens, through the same runners, caches and worker thread as the decoders. The
+`context` cached tokens, through the same runners, caches and worker thread as the decoders; the kinds of
+pass measured together are sampled in turn, so load on a shared machine skews them alike. The
 concurrent measurement runs a verify pass and a packed pass at once, split over the cores as the async
 decoder splits them, so the cost model's contention is that of the real round rather than an ideal.
 """
@@ -20,13 +21,19 @@ from models.masks import BlockSpec
 from models.surgery import remove_layers
 
 
-def _median_ms(run, repeats: int) -> float:
-    samples = []
-    for _ in range(repeats + 1):  # the first run warms up
-        start = time.perf_counter()
-        run()
-        samples.append(1000 * (time.perf_counter() - start))
-    return statistics.median(samples[1:])
+def _interleaved_ms(runs: dict, repeats: int) -> dict:
+    """Median wall time (ms) of each of `runs` (name -> callable), sampled in turn, `repeats` rounds after
+    one untimed warm-up round. A moment of load on a shared machine then slows every measurement alike,
+    so the ratios the cost model lives on survive it (measured one after another, a noisy moment
+    inflated one pass time by 20 % and moved the predicted speedup as much)."""
+    samples = {name: [] for name in runs}
+    for round_index in range(repeats + 1):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            if round_index:
+                samples[name].append(1000 * (time.perf_counter() - start))
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def _context_ids(count: int, vocab: int) -> list[int]:
@@ -65,63 +72,52 @@ class _TargetProbe:
         self.verifier.commit(self.context)
 
 
-def drafter_pass_ms(drafter, packed_budget: int = 64, repeats: int = 5, context: int = 64) -> tuple[float, float]:
+def drafter_pass_ms(drafter, packed_budget: int = 64, repeats: int = 7, context: int = 64) -> tuple[float, float]:
     """(sync draft pass, full-budget packed pass) of `drafter`, ms."""
     probe = _DrafterProbe(drafter, packed_budget, context)
-    return (_median_ms(lambda: probe.run(probe.draft), repeats),
-            _median_ms(lambda: probe.run(probe.packed), repeats))
+    times = _interleaved_ms({"draft": lambda: probe.run(probe.draft), "packed": lambda: probe.run(probe.packed)},
+                            repeats)
+    return times["draft"], times["packed"]
 
 
-def target_pass_ms(target, widths, repeats: int = 5, context: int = 64) -> dict[int, float]:
+def target_pass_ms(target, widths, repeats: int = 7, context: int = 64) -> dict[int, float]:
     """Target pass time per fed width (1 = an ar step), ms, measured interleaved across widths."""
     probe = _TargetProbe(target, context)
-    samples = {width: [] for width in widths}
-    for width in widths:
-        probe.run(width)  # warm-up
-    for _ in range(repeats):
-        for width in widths:
-            start = time.perf_counter()
-            probe.run(width)
-            samples[width].append(1000 * (time.perf_counter() - start))
-    return {width: statistics.median(values) for width, values in samples.items()}
+    return _interleaved_ms({width: (lambda w=width: probe.run(w)) for width in widths}, repeats)
 
 
-def measure_pass_times(target, drafter, config: DecodeConfig, repeats: int = 5, context: int = 64) -> PassTimes:
-    """Everything the cost model needs for this pair on this device (about 40 passes of each model).
+def measure_pass_times(target, drafter, config: DecodeConfig, repeats: int = 7, context: int = 64) -> PassTimes:
+    """Everything the cost model needs for this pair on this device (`repeats` + 1 passes of each kind,
+    all kinds interleaved).
 
     The verify slope is a least-squares fit over widths 1, B/4, B/2 and B (B the drafter's block size);
-    contention comes from a verify pass of width B/2 and the packed pass run concurrently.
+    contention comes from a verify pass of width B/2 and the packed pass run concurrently, as the async
+    decoder runs them (packed pass on the worker thread, cores split by `config.draft_threads`).
     """
-    block = config.block_size or drafter.config.block_size
+    block = config.verify_block(drafter.config.block_size)
     widths = sorted({1, max(2, block // 4), max(2, block // 2), block})
-    verify = target_pass_ms(target, widths, repeats, context)
-    ar_ms = verify[1]
-    rest = [w for w in widths if w > 1]
-    slope = sum((verify[w] - ar_ms) * (w - 1) for w in rest) / sum((w - 1) ** 2 for w in rest)
-    draft_ms, packed_ms = drafter_pass_ms(drafter, config.packed_budget, repeats, context)
     width = max(2, block // 2)
-    together = concurrent_pass_ms(target, drafter, width, config, repeats, context)
-    alone = (verify[width], packed_ms)
-    contention = (together - max(alone)) / min(alone) if min(alone) > 0 else 0.0
-    return PassTimes(ar_ms, max(0.0, slope), draft_ms, packed_ms, min(1.0, max(0.0, contention)))
-
-
-def concurrent_pass_ms(target, drafter, width: int, config: DecodeConfig, repeats: int = 5,
-                       context: int = 64) -> float:
-    """Wall time (ms) of a `width`-token verify pass and a full packed pass run at once, as the async
-    decoder runs them (packed pass on the worker thread, cores split by `config.draft_threads`)."""
     target_probe = _TargetProbe(target, context)
     drafter_probe = _DrafterProbe(drafter, config.packed_budget, context)
     device = next(drafter.parameters()).device
 
-    def both():
-        drafter_probe.engine.mark_ready()
-        future = draft_worker().submit(drafter_probe.run, drafter_probe.packed)
-        target_probe.run(width)
-        future.result()
+    def together():
+        with thread_split(device, config.draft_threads):
+            drafter_probe.engine.mark_ready()
+            future = draft_worker().submit(drafter_probe.run, drafter_probe.packed)
+            target_probe.run(width)
+            future.result()
 
-    with thread_split(device, config.draft_threads):
-        return _median_ms(both, repeats)
+    runs = {w: (lambda w=w: target_probe.run(w)) for w in widths}
+    runs.update(draft=lambda: drafter_probe.run(drafter_probe.draft),
+                packed=lambda: drafter_probe.run(drafter_probe.packed), together=together)
+    ms = _interleaved_ms(runs, repeats)
+    ar_ms = ms[1]
+    rest = [w for w in widths if w > 1]
+    slope = sum((ms[w] - ar_ms) * (w - 1) for w in rest) / sum((w - 1) ** 2 for w in rest)
+    alone = (ms[width], ms["packed"])
+    contention = (ms["together"] - max(alone)) / min(alone) if min(alone) > 0 else 0.0
+    return PassTimes(ar_ms, max(0.0, slope), ms["draft"], ms["packed"], min(1.0, max(0.0, contention)))
 
 
 def drafter_layer_costs(drafter, packed_budget: int = 64, repeats: int = 5,

@@ -74,3 +74,26 @@ def test_width_policy_is_robust_to_timing_noise():
     a = WidthPolicy.from_times(times(per_token_ms=4.01, draft_ms=20.05))
     b = WidthPolicy.from_times(times(per_token_ms=3.99, draft_ms=19.97))
     assert a == b
+
+
+def test_pass_time_kinds_are_sampled_in_turn():
+    """Every kind of pass is sampled once per round (warm-up round untimed), so load hits all alike."""
+    from decode import timing
+
+    order = []
+    runs = {name: (lambda name=name: order.append(name)) for name in ("ar", "verify", "packed")}
+    medians = timing._interleaved_ms(runs, repeats=3)
+    assert order == ["ar", "verify", "packed"] * 4
+    assert set(medians) == set(runs) and all(ms >= 0 for ms in medians.values())
+
+
+def test_measured_pass_times_of_a_tiny_pair_are_consistent():
+    from _pairs import tiny_target
+    from conftest import build_tiny_drafter
+    from decode.decoders import DecodeConfig
+    from decode.timing import measure_pass_times
+
+    target, drafter = tiny_target(), build_tiny_drafter(block_size=4)
+    times = measure_pass_times(target, drafter, DecodeConfig(packed_budget=16), repeats=2, context=16)
+    assert times.ar_ms > 0 and times.draft_ms > 0 and times.packed_ms > 0
+    assert times.per_token_ms >= 0 and 0.0 <= times.contention <= 1.0
