@@ -4,6 +4,8 @@
   baseline (it should be no slower).
 - `pld`: prompt-lookup decoding (`prompt_lookup_num_tokens`): drafts by copying n-grams from the prompt,
   no drafter at all.
+- `assisted`: assisted generation (`assistant_model`): a small autoregressive model of the target's
+  tokenizer drafts, the target verifies (needs `BaselineConfig.assistant_model`).
 
 Each returns a `DecodeResult` like our decoders, so the bench summarizes, compares and times them alike.
 Timing follows the decoders' convention, time per token excluding prefill and the first token:
@@ -17,11 +19,15 @@ Extension point: `BASELINES`, name -> function(target, prompt ids, DecodeConfig,
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from models.errors import ConfigError
+
 from .decoders import DecodeConfig, DecodeResult
+
+ASSISTED = "assisted"  # the baseline that runs only where an assistant model is given
 
 
 @dataclass
@@ -30,9 +36,17 @@ class BaselineConfig:
 
     Attributes:
         pld_tokens: pld only; tokens proposed per prompt lookup (transformers' prompt_lookup_num_tokens).
+        assistant: assisted only; where the assistant model came from (a path; reported, never loaded here).
+        assistant_model: assisted only; the loaded assistant, on the target's device and dtype.
     """
 
     pld_tokens: int = 10
+    assistant: str | None = None
+    assistant_model: torch.nn.Module | None = field(default=None, repr=False, compare=False)
+
+    def settings(self) -> dict:
+        """The JSON-ready options (the assistant, where one is given, by name, not its weights)."""
+        return {"pld_tokens": self.pld_tokens, **({"assistant": self.assistant} if self.assistant else {})}
 
 
 def decode_generate(target, prompt: list[int], config: DecodeConfig, options: BaselineConfig) -> DecodeResult:
@@ -45,7 +59,15 @@ def decode_pld(target, prompt: list[int], config: DecodeConfig, options: Baselin
     return _timed_generate("pld", target, prompt, config, prompt_lookup_num_tokens=options.pld_tokens)
 
 
-BASELINES = {"pld": decode_pld, "generate": decode_generate}
+def decode_assisted(target, prompt: list[int], config: DecodeConfig, options: BaselineConfig) -> DecodeResult:
+    """transformers' assisted generation with `options.assistant_model` as the draft model."""
+    if options.assistant_model is None:
+        raise ConfigError("the assisted decoder needs a draft model; pass --assistant MODEL (a small causal LM "
+                          "folder or .gguf file with the target's tokenizer)")
+    return _timed_generate(ASSISTED, target, prompt, config, assistant_model=options.assistant_model)
+
+
+BASELINES = {"pld": decode_pld, "generate": decode_generate, ASSISTED: decode_assisted}
 
 
 def _timed_generate(name: str, target, prompt: list[int], config: DecodeConfig, **options) -> DecodeResult:

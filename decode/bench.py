@@ -1,11 +1,12 @@
 """The benchmark harness behind `prune bench`: every decoder on the same prompts, one JSON record.
 
 A row is one decoder over all prompts. Target-only rows, `ar` and the transformers baselines of
-decode.baselines (`pld`, `generate`), run once per prompt; the speculative rows (`sync`, `async`) once
-per prompt and drafter, so several drafters are compared against ONE `ar` run. Rows run interleaved per
-prompt (ar, each drafter's sync and async, then the baselines for prompt 1, then prompt 2, ...) after a
-warm-up of every row, so that slow drift of the machine's speed affects every row alike. `ar` always
-runs: it is the reference output for exactness and the baseline for speedup.
+decode.baselines (`pld`, `generate`, and `assisted` where an assistant model is given), run once per
+prompt; the speculative rows (`sync`, `async`) once per prompt and drafter, so several drafters are
+compared against ONE `ar` run. Rows run interleaved per prompt (ar, each drafter's sync and async, then
+the baselines for prompt 1, then prompt 2, ...) after a warm-up of every row, so that slow drift of the
+machine's speed affects every row alike. `ar` always runs: it is the reference output for exactness and
+the baseline for speedup.
 
 With replayed verification and `replay_batch` > 1, the speculative rows run after the prompt loop, that
 many prompts in lockstep (replay makes the result per prompt the same as alone; see
@@ -40,11 +41,11 @@ import torch
 from models.errors import ConfigError
 
 from . import cost
-from .baselines import BASELINES, BaselineConfig
-from .decoders import DECODERS, DecodeConfig, DecodeResult, decode_ar, decode_speculative
+from .baselines import ASSISTED, BASELINES, BaselineConfig
+from .decoders import DECODERS, DecodeConfig, DecodeResult, decode_ar, decode_one, decode_speculative
 from .metrics import summarize
 from .prompts import Prompt
-from .verifiers import LiveVerifier, ReplayVerifier
+from .verifiers import ReplayVerifier
 
 VERIFY_MODES = ("live", "replay")
 SPECULATIVE = tuple(d for d in DECODERS if d != "ar")  # the rows run once per drafter
@@ -103,6 +104,8 @@ class BenchConfig:
             raise ConfigError("--temperature must be >= 0")
         if self.baselines.pld_tokens < 1:
             raise ConfigError("--pld-tokens must be at least 1")
+        if ASSISTED in self.decoders and self.baselines.assistant_model is None:
+            raise ConfigError("the assisted decoder needs a draft model; pass --assistant MODEL")
 
 
 def check_decoder_names(names: Iterable[str], allow_all: bool = False) -> None:
@@ -113,19 +116,21 @@ def check_decoder_names(names: Iterable[str], allow_all: bool = False) -> None:
         raise ConfigError(f"unknown decoder {unknown[0]!r}; choose from {', '.join(DECODER_NAMES)} or all")
 
 
-def select_decoders(names: Iterable[str], temperature: float = 0.0, verify: str = "live") -> tuple[str, ...]:
+def select_decoders(names: Iterable[str], temperature: float = 0.0, verify: str = "live",
+                    assistant: bool = False) -> tuple[str, ...]:
     """The decoders `names` asks for, in report order, "all" expanded.
 
     "all" is every decoder, less the baselines where they do not apply: at temperature > 0 (they are
-    greedy) and under replay verification (they time the target, which a replay run avoids paying for).
-    Named explicitly, a baseline is kept (and refused by BenchConfig.validate at temperature > 0).
+    greedy), under replay verification (they time the target, which a replay run avoids paying for), and
+    `assisted` without an assistant model. Named explicitly, a baseline is kept (and refused by
+    BenchConfig.validate where it cannot run).
     """
     names = set(names)
     check_decoder_names(names, allow_all=True)
     if "all" in names:
         names |= set(DECODERS)
         if temperature == 0 and verify == "live":
-            names |= set(BASELINES)
+            names |= {d for d in BASELINES if assistant or d != ASSISTED}
     return tuple(d for d in DECODER_NAMES if d in names)
 
 
@@ -135,8 +140,7 @@ def run_decoder(decoder: str, drafter, target, prompt: list[int], config: Decode
     unless a verifier is given."""
     if decoder in TARGET_DECODERS:
         return TARGET_DECODERS[decoder](target, prompt, config, options or BaselineConfig())
-    verifier = verifier or LiveVerifier(target, config.temperature)
-    return decode_speculative(decoder, drafter, [verifier], [prompt], config)[0]
+    return decode_one(decoder, drafter, target, prompt, config, verifier)
 
 
 def run_bench(drafters: list[tuple[str, torch.nn.Module]], target, prompts: list[Prompt], config: BenchConfig,
@@ -255,7 +259,9 @@ def _predictions(decoder: str, times: cost.PassTimes, summary: dict, concurrent:
     if tau is None or width is None:
         return {"predicted_speedup": None, "speedup_limit": None}
     fallback = summary.get("fallback_rate") or 0.0
-    return {"predicted_speedup": cost.predicted_speedup(decoder, times, tau, width, fallback, concurrent),
+    share = summary.get("packed_share")
+    shape = {} if share is None else {"packed_share": share, "packed_tokens": summary.get("packed_pass_tokens_mean")}
+    return {"predicted_speedup": cost.predicted_speedup(decoder, times, tau, width, fallback, concurrent, **shape),
             "speedup_limit": cost.speedup_limit(times, tau, width)}
 
 
@@ -324,7 +330,7 @@ def _settings(config: BenchConfig, target) -> dict:
         "verify": config.verify,
         "replay_batch": config.replay_batch,
         "warmup_tokens": config.warmup_tokens,
-        "baselines": asdict(config.baselines),
+        "baselines": config.baselines.settings(),
         "dtype": str(next(target.parameters()).dtype).replace("torch.", ""),
         "device": str(device),
         "environment": {
@@ -334,7 +340,7 @@ def _settings(config: BenchConfig, target) -> dict:
             "machine": platform.machine(),
             "cuda_device": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         },
-        "time_per_token": "aggregate: total decode time / total tokens after the prefill token; for pld and "
-        "generate, decode time = T(generate) - T(generate with max_new_tokens=1) on the same prompt",
+        "time_per_token": "aggregate: total decode time / total tokens after the prefill token; for pld, "
+        "generate and assisted, decode time = T(generate) - T(generate with max_new_tokens=1) on the same prompt",
         "tau": "tau_macro = mean of per-prompt mean (a+1); tau_micro = mean over all rounds",
     }

@@ -14,14 +14,18 @@ Inputs are wall times (ms) of single passes measured on the device that decodes 
 A round verifies W tokens and commits a + 1 of them; tau = E[a + 1]. Per token:
 
     sync   (verify_ms(W) + draft_ms) / tau
-    async  (together(verify_ms(W), packed_ms) + fallback_rate x draft_ms) / tau
+    async  (s x together(verify_ms(W), packed_ms) + (1 - s) x verify_ms(W) + fallback_rate x draft_ms) / tau
     ar     ar_ms
+
+where s is the share of async rounds that run a packed pass at all: `CandidatePolicy` drops the packed
+pass of a round whose candidates are not worth their cost (the round then verifies and drafts, as sync).
 
 and predicted speedup = ar_ms / that. The physical limit of any drafter at acceptance tau is
 tau x ar_ms / verify_ms(W): a free, always-hitting drafter. `WidthPolicy` uses the same verify model to
 choose how many drafted tokens each round verifies.
 """
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 
@@ -35,6 +39,9 @@ class PassTimes:
         draft_ms: drafter pass drafting one block.
         packed_ms: drafter packed pass.
         contention: in [0, 1]; share of the shorter pass not hidden when both run together.
+        draft_tokens, packed_tokens: query tokens of the measured draft and packed passes; between them
+            a packed pass's time is modelled as affine in its tokens (None: every packed pass costs
+            packed_ms).
     """
 
     ar_ms: float
@@ -42,6 +49,8 @@ class PassTimes:
     draft_ms: float
     packed_ms: float
     contention: float = 0.0
+    draft_tokens: int | None = None
+    packed_tokens: int | None = None
 
     def verify_ms(self, width: float) -> float:
         """Target pass of `width` tokens (fractional widths: the mean width of a run)."""
@@ -51,9 +60,16 @@ class PassTimes:
         """Wall time of a verify pass and a packed pass run concurrently."""
         return max(verify_ms, packed_ms) + self.contention * min(verify_ms, packed_ms)
 
+    def packed_ms_for(self, tokens: float) -> float:
+        """A packed pass of `tokens` query tokens (chain and candidate blocks), ms."""
+        if not self.draft_tokens or not self.packed_tokens or self.packed_tokens <= self.draft_tokens:
+            return self.packed_ms
+        per_token = max(0.0, (self.packed_ms - self.draft_ms) / (self.packed_tokens - self.draft_tokens))
+        return max(0.0, self.draft_ms + per_token * (tokens - self.draft_tokens))
+
     def with_drafter(self, draft_ms: float, packed_ms: float) -> "PassTimes":
-        """The same target and device with another drafter's pass times."""
-        return PassTimes(self.ar_ms, self.per_token_ms, draft_ms, packed_ms, self.contention)
+        """The same target and device with another drafter's pass times (same block size and budget)."""
+        return dataclasses.replace(self, draft_ms=draft_ms, packed_ms=packed_ms)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -80,18 +96,38 @@ class LayerCost:
         return cls(max(0.0, ms_a - per_layer * layers_a), per_layer)
 
 
-def _ar_round(times: PassTimes, width: float, fallback_rate: float, concurrent: bool) -> float:
+@dataclass(frozen=True)
+class RoundShape:
+    """What a run's rounds look like on average: the cost model's input besides the pass times.
+
+    Attributes:
+        width: mean verify width W.
+        fallback_rate: async; rounds whose next draft needs a fallback pass (a miss, or no packed pass).
+        packed_share: async; rounds that run a packed pass at all.
+        packed_tokens: async; mean query tokens of those packed passes (None: the measured full pass).
+        concurrent: async; the packed pass runs together with the verify pass.
+    """
+
+    width: float
+    fallback_rate: float = 0.0
+    packed_share: float = 1.0
+    packed_tokens: float | None = None
+    concurrent: bool = True
+
+
+def _ar_round(times: PassTimes, shape: RoundShape) -> float:
     return times.ar_ms
 
 
-def _sync_round(times: PassTimes, width: float, fallback_rate: float, concurrent: bool) -> float:
-    return times.verify_ms(width) + times.draft_ms
+def _sync_round(times: PassTimes, shape: RoundShape) -> float:
+    return times.verify_ms(shape.width) + times.draft_ms
 
 
-def _async_round(times: PassTimes, width: float, fallback_rate: float, concurrent: bool) -> float:
-    verify = times.verify_ms(width)
-    passes = times.together_ms(verify, times.packed_ms) if concurrent else verify + times.packed_ms
-    return passes + fallback_rate * times.draft_ms
+def _async_round(times: PassTimes, shape: RoundShape) -> float:
+    verify = times.verify_ms(shape.width)
+    packed = times.packed_ms if shape.packed_tokens is None else times.packed_ms_for(shape.packed_tokens)
+    passes = times.together_ms(verify, packed) if shape.concurrent else verify + packed
+    return shape.packed_share * passes + (1.0 - shape.packed_share) * verify + shape.fallback_rate * times.draft_ms
 
 
 # decoder -> modelled round time (ms); a new decoder adds its entry here.
@@ -99,23 +135,24 @@ ROUND_MODELS = {"ar": _ar_round, "sync": _sync_round, "async": _async_round}
 
 
 def round_ms(decoder: str, times: PassTimes, width: float, fallback_rate: float = 0.0,
-             concurrent: bool = True) -> float:
-    """Modelled wall time (ms) of one round of `decoder` verifying `width` tokens."""
+             concurrent: bool = True, **shape) -> float:
+    """Modelled wall time (ms) of one round of `decoder` verifying `width` tokens (`shape`: the other
+    fields of RoundShape)."""
     if decoder not in ROUND_MODELS:
         raise ValueError(f"no cost model for decoder {decoder!r}; known: {', '.join(ROUND_MODELS)}")
-    return ROUND_MODELS[decoder](times, width, fallback_rate, concurrent)
+    return ROUND_MODELS[decoder](times, RoundShape(width, fallback_rate, concurrent=concurrent, **shape))
 
 
 def time_per_token_ms(decoder: str, times: PassTimes, tau: float, width: float, fallback_rate: float = 0.0,
-                      concurrent: bool = True) -> float:
+                      concurrent: bool = True, **shape) -> float:
     """Modelled ms per generated token: round time / tau (tau = 1 for ar)."""
-    return round_ms(decoder, times, width, fallback_rate, concurrent) / (1.0 if decoder == "ar" else tau)
+    return round_ms(decoder, times, width, fallback_rate, concurrent, **shape) / (1.0 if decoder == "ar" else tau)
 
 
 def predicted_speedup(decoder: str, times: PassTimes, tau: float, width: float, fallback_rate: float = 0.0,
-                      concurrent: bool = True) -> float:
+                      concurrent: bool = True, **shape) -> float:
     """ar time per token / the decoder's modelled time per token."""
-    return times.ar_ms / time_per_token_ms(decoder, times, tau, width, fallback_rate, concurrent)
+    return times.ar_ms / time_per_token_ms(decoder, times, tau, width, fallback_rate, concurrent, **shape)
 
 
 def speedup_limit(times: PassTimes, tau: float, width: float) -> float:
@@ -160,3 +197,53 @@ class WidthPolicy:
 
 def _two_digits(value: float) -> float:
     return float(f"{max(0.0, value):.2g}")
+
+
+@dataclass(frozen=True)
+class CandidatePolicy:
+    """Chooses how many of a round's planned candidate blocks its packed pass drafts (async).
+
+    The planner ranks candidates by the drafter's probability that each is the round's outcome (their
+    values v_1 >= v_2 >= ...; outcomes exclude each other, so k candidates hit with probability
+    h_k = v_1 + ... + v_k). Drafting k of them costs a packed pass of chain + their tokens, run together
+    with the verify pass, plus a fallback draft on a miss; drafting none skips the packed pass (verify,
+    then draft, as the sync decoder does). The policy takes the k, 0 included, with the least expected
+    round time, so the async decoder is never modelled slower than the sync one: where the two passes
+    cannot overlap (few cores), it drafts fewer candidates or none. Times are kept relative to ar_ms and
+    rounded to two significant digits, as in `WidthPolicy`.
+
+    Attributes:
+        slope: per_token_ms / ar_ms (verify pass per extra token).
+        draft: draft_ms / ar_ms.
+        packed_fixed, packed_per_token: the packed pass as packed_fixed + packed_per_token x tokens.
+        contention: see PassTimes.
+    """
+
+    slope: float
+    draft: float
+    packed_fixed: float
+    packed_per_token: float
+    contention: float
+
+    @classmethod
+    def from_times(cls, times: PassTimes) -> "CandidatePolicy":
+        base = times.packed_ms_for(0)
+        per_token = (times.packed_ms_for(100) - base) / 100
+        return cls(*(_two_digits(v / times.ar_ms) for v in (times.per_token_ms, times.draft_ms, base, per_token)),
+                   _two_digits(times.contention))
+
+    def round_cost(self, width: int, chain_tokens: int, values: list[float], costs: list[int]) -> float:
+        """Expected round time (units of ar_ms) when the packed pass drafts candidates with `values` and
+        query-token `costs` after `chain_tokens` chain tokens (none: no packed pass)."""
+        verify = 1.0 + self.slope * (width - 1)
+        if not values:
+            return verify + self.draft
+        packed = self.packed_fixed + self.packed_per_token * (chain_tokens + sum(costs))
+        together = max(verify, packed) + self.contention * min(verify, packed)
+        return together + max(0.0, 1.0 - sum(values)) * self.draft
+
+    def count(self, width: int, chain_tokens: int, values: list[float], costs: list[int]) -> int:
+        """How many of the candidates (best first, with `values` and `costs`) to draft."""
+        costs_by_k = [self.round_cost(width, chain_tokens, values[:k], costs[:k]) for k in range(len(values) + 1)]
+        return min(range(len(costs_by_k)), key=lambda k: (costs_by_k[k], k))
+

@@ -5,7 +5,7 @@ All three share the verifier interface, the acceptance rules and the stop rule, 
 (one row when decoding live; many when replaying for layer scoring); a row's tokens, acceptances and
 hits never depend on the other rows or on timing.
 
-Async round k (DESIGN section 4): while the target verifies V = [t, d1 .. d(B-1)], ONE packed drafter
+Async round k (docs/design.md, Decoders): while the target verifies V = [t, d1 .. d(B-1)], ONE packed drafter
 pass feeds the chain t, d1 .. d(B-1) plus candidate blocks for the likeliest outcomes (decode.planner).
 When (a, b) is known the matching candidate becomes the next draft (a hit); otherwise the drafter
 drafts synchronously from b (a fallback). Running the two passes one after the other (`concurrent=False`)
@@ -14,7 +14,8 @@ gives identical tokens, acceptances and hits.
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
@@ -22,13 +23,16 @@ from models.errors import ConfigError, DataError
 from models.masks import BlockSpec
 
 from .acceptance import StopRule, greedy_outcome, sample_token, sampled_outcome
-from .cost import WidthPolicy
+from .cost import CandidatePolicy, PassTimes, WidthPolicy
 from .engine import BlockPrediction, DraftEngine, DraftRequest
 from .planner import plan_candidates
 from .verifiers import LiveVerifier, TargetOutput
 from .worker import draft_worker, thread_split
 
 DECODERS = ("ar", "sync", "async")
+# Called with (row, ids) each time a sequence commits tokens: its prompt's index in the batch (0 for ar) and
+# the ids the round added, after the stop rule, in order. Runs on the decoding thread, inside the timed rounds.
+CommitHook = Callable[[int, list[int]], None]
 
 
 @dataclass
@@ -42,6 +46,9 @@ class DecodeConfig:
         width_policy: chooses each round's verify width (2 .. block_size) from the drafter's confidences
             and the cost model (decode.cost.WidthPolicy); None verifies block_size tokens every round.
             Decisions depend on drafter outputs only, so replay and live decoding make the same ones.
+        candidate_policy: async only; how many of the planned candidates each packed pass drafts, 0 for
+            none (the round then verifies and drafts as sync), from their probabilities and the cost model
+            (decode.cost.CandidatePolicy); None drafts every candidate that fits packed_budget.
         temperature: 0 for greedy; > 0 samples (speculative sampling for sync/async).
         seed: seeds the sampling generator of every sequence.
         stop_ids: token ids that end a sequence (kept in the output), e.g. EOS.
@@ -61,6 +68,7 @@ class DecodeConfig:
     max_new_tokens: int = 128
     block_size: int | None = None
     width_policy: WidthPolicy | None = None
+    candidate_policy: CandidatePolicy | None = None
     temperature: float = 0.0
     seed: int = 0
     stop_ids: tuple[int, ...] = ()
@@ -79,6 +87,12 @@ class DecodeConfig:
                 "lower --block-size or use a drafter trained with larger blocks"
             )
         return block
+
+    def tuned_to(self, times: PassTimes, width: bool = True, candidates: bool = True) -> "DecodeConfig":
+        """These settings with the cost model's policies for pass times `times`: the adaptive verify width
+        (when `width`) and the packed pass's candidate count (when `candidates`); others unchanged."""
+        return replace(self, width_policy=WidthPolicy.from_times(times) if width else self.width_policy,
+                       candidate_policy=CandidatePolicy.from_times(times) if candidates else self.candidate_policy)
 
     @property
     def stop_rule(self) -> StopRule:
@@ -163,8 +177,11 @@ class _Draft:
 class _Sequence:
     """Per-prompt decoding state: committed tokens, the verifier, the current draft, the round log."""
 
-    def __init__(self, prompt: list[int], verifier, config: DecodeConfig):
+    def __init__(self, prompt: list[int], verifier, config: DecodeConfig, row: int = 0,
+                 on_commit: CommitHook | None = None):
         self.tokens = list(prompt)
+        self.row = row
+        self.on_commit = on_commit
         self.prompt_len = len(prompt)
         self.verifier = verifier
         self.stop = config.stop_rule
@@ -196,6 +213,8 @@ class _Sequence:
             )
         self.tokens += kept
         self.verifier.commit(len(self.tokens) - 1)
+        if self.on_commit is not None:
+            self.on_commit(self.row, kept)
         return len(kept) - 1
 
     def ar_step(self) -> int:
@@ -221,9 +240,12 @@ class _Sequence:
         return DecodeResult(decoder, self.prompt_len, self.tokens[self.prompt_len :], self.rounds, prefill_s, decode_s)
 
 
-def decode_ar(target: torch.nn.Module, prompt: list[int], config: DecodeConfig) -> DecodeResult:
-    """Plain KV-cached decoding with the target alone: the baseline and the reference output."""
-    seq = _Sequence(prompt, LiveVerifier(target, config.temperature), config)
+def decode_ar(target: torch.nn.Module, prompt: list[int], config: DecodeConfig,
+              on_commit: CommitHook | None = None) -> DecodeResult:
+    """Plain KV-cached decoding with the target alone: the baseline and the reference output.
+
+    `on_commit(0, [token])` is called after each committed token (streaming; see CommitHook)."""
+    seq = _Sequence(prompt, LiveVerifier(target, config.temperature), config, 0, on_commit)
     start = time.perf_counter()
     seq.start()
     prefill_s = time.perf_counter() - start
@@ -236,12 +258,23 @@ def decode_ar(target: torch.nn.Module, prompt: list[int], config: DecodeConfig) 
     return seq.result("ar", prefill_s, time.perf_counter() - start)
 
 
+def decode_one(decoder: str, drafter: torch.nn.Module | None, target: torch.nn.Module, prompt: list[int],
+               config: DecodeConfig, verifier=None, on_commit: CommitHook | None = None) -> DecodeResult:
+    """Decode one prompt with one of DECODERS: `ar` runs the target alone, `sync` and `async` run `drafter`
+    verified by `verifier` (default: the live target). `on_commit` streams the committed tokens."""
+    if decoder == "ar":
+        return decode_ar(target, prompt, config, on_commit)
+    verifier = verifier or LiveVerifier(target, config.temperature)
+    return decode_speculative(decoder, drafter, [verifier], [prompt], config, on_commit)[0]
+
+
 def decode_speculative(
     decoder: str,
     drafter: torch.nn.Module,
     verifiers: list,
     prompts: list[list[int]],
     config: DecodeConfig,
+    on_commit: CommitHook | None = None,
 ) -> list[DecodeResult]:
     """Run `sync` or `async` decoding for several prompts in lockstep (one drafter pass per step).
 
@@ -249,6 +282,7 @@ def decode_speculative(
         decoder: "sync" or "async".
         verifiers: one per prompt (LiveVerifier or ReplayVerifier), in the prompts' order.
         prompts: token ids per prompt.
+        on_commit: optional callback(prompt index, ids) after each commit (streaming; see CommitHook).
 
     Returns:
         One DecodeResult per prompt. Timings are per step of the whole batch; they mean per-prompt
@@ -256,7 +290,8 @@ def decode_speculative(
     """
     if decoder not in ("sync", "async"):
         raise ValueError(f"unknown speculative decoder {decoder!r}")
-    seqs = [_Sequence(prompt, verifier, config) for prompt, verifier in zip(prompts, verifiers)]
+    seqs = [_Sequence(prompt, verifier, config, row, on_commit)
+            for row, (prompt, verifier) in enumerate(zip(prompts, verifiers))]
     engine = DraftEngine(drafter, rows=len(seqs), fan_out=config.fan_out)
     block = config.verify_block(engine.block_size)
     start = time.perf_counter()
@@ -266,15 +301,13 @@ def decode_speculative(
     prefill_s = time.perf_counter() - start
     lookahead = config.lookahead and all(seq.verifier.answers_ahead for seq in seqs)
     concurrent = decoder == "async" and config.concurrent and not lookahead
-    split = thread_split(engine.device, config.draft_threads) if concurrent else contextlib.nullcontext()
-    with split:
-        start = time.perf_counter()
-        while any(not seq.done for seq in seqs):
-            if decoder == "sync":
-                _sync_round(engine, seqs, block, config.width_policy)
-            else:
-                _async_round(engine, seqs, block, config, concurrent, lookahead)
-        decode_s = time.perf_counter() - start
+    start = time.perf_counter()
+    while any(not seq.done for seq in seqs):
+        if decoder == "sync":
+            _sync_round(engine, seqs, block, config.width_policy)
+        else:
+            _async_round(engine, seqs, block, config, concurrent, lookahead)
+    decode_s = time.perf_counter() - start
     return [seq.result(decoder, prefill_s, decode_s) for seq in seqs]
 
 
@@ -315,50 +348,44 @@ def _async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config:
     round_start = time.perf_counter()
     active = [not seq.done for seq in seqs]
     widths = [seq.width if active[r] else 0 for r, seq in enumerate(seqs)]
-    requests, plans = [], []
-    for r, seq in enumerate(seqs):
-        if not active[r]:
-            requests.append(None)
-            plans.append([])
-            continue
-        draft = seq.draft
-        plan = plan_candidates(
-            draft.confidences, draft.alternatives, widths[r], config.packed_budget, config.fan_out, engine.block_size
-        )
-        s = len(seq.tokens) - 1  # position of t
-        blocks = [BlockSpec(s + c.accepted, c.guess) for c in plan]
-        requests.append(DraftRequest(seq.tokens[engine.cache_lens[r] :] + draft.tokens[1:], blocks))
-        plans.append(plan)
+    planned = [_plan_packed_request(engine, seq, r, widths[r], config) if active[r] else (None, [])
+               for r, seq in enumerate(seqs)]
+    requests, plans = [request for request, _ in planned], [plan for _, plan in planned]
 
-    fed, drafted = requests, [False] * len(seqs)
+    # A row without candidates skips the packed pass (its fallback draft follows verification, as in sync);
+    # the lookahead still uses its pass for that draft.
+    fed = requests if lookahead else [request if request and request.blocks else None for request in requests]
+    drafted = [False] * len(seqs)
+    concurrent = concurrent and any(fed)
 
     def packed_pass():
         t0 = time.perf_counter()
         predictions = engine.forward(fed)
         return predictions, t0, time.perf_counter()
 
-    if concurrent:
-        engine.mark_ready()
-    future = draft_worker().submit(packed_pass) if concurrent else None
-    if future is None and not lookahead:
-        predictions, p_start, p_end = packed_pass()
-    v_start = time.perf_counter()
-    accepted = []
     old_lengths = [len(seq.tokens) for seq in seqs]
-    for r, seq in enumerate(seqs):
-        accepted.append(seq.verify_draft() if active[r] else 0)
-    v_end = time.perf_counter()
+    # The cores are split between the two passes only while both run (decode/worker.py); a round without
+    # a packed pass verifies and drafts its fallback with all of them.
+    with thread_split(engine.device, config.draft_threads) if concurrent else contextlib.nullcontext():
+        if concurrent:
+            engine.mark_ready()
+        future = draft_worker().submit(packed_pass) if concurrent else None
+        if future is None and not lookahead:
+            predictions, p_start, p_end = packed_pass() if any(fed) else ([[] for _ in seqs], 0.0, 0.0)
+        v_start = time.perf_counter()
+        accepted = [seq.verify_draft() if active[r] else 0 for r, seq in enumerate(seqs)]
+        v_end = time.perf_counter()
+        if future is not None:
+            predictions, p_start, p_end = future.result()
     if lookahead:
         fed, plans, drafted = _usable_parts(seqs, requests, plans, accepted, old_lengths, engine.cache_lens)
         predictions, p_start, p_end = packed_pass()
-    elif future is not None:
-        predictions, p_start, p_end = future.result()
 
     # The committed part of each chain: the uncached committed tokens, t, and d1 .. da (and b where the
     # lookahead drafted the fallback in the same pass).
     engine.keep(
         [len(request.chain) if request else 0 for request in fed] if lookahead else
-        [old_lengths[r] - engine.cache_lens[r] + accepted[r] if active[r] else 0 for r in range(len(seqs))]
+        [old_lengths[r] - engine.cache_lens[r] + accepted[r] if fed[r] else 0 for r in range(len(seqs))]
     )
     hits = [None] * len(seqs)
     for r, seq in enumerate(seqs):
@@ -376,7 +403,7 @@ def _async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config:
         if active[r]:
             packed_tokens = len(requests[r].chain) + sum(
                 engine.block_size + (b.guess is not None) for b in requests[r].blocks
-            )
+            ) if requests[r].blocks else 0
             seq.rounds.append(
                 Round(
                     accepted=accepted[r],
@@ -390,6 +417,19 @@ def _async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config:
                     width=widths[r],
                 )
             )
+
+
+def _plan_packed_request(engine: DraftEngine, seq: _Sequence, row: int, width: int, config: DecodeConfig):
+    """The packed-pass request of one row (its chain: uncached committed tokens, t and the unverified drafts;
+    its candidate blocks) and the candidates' plan."""
+    draft = seq.draft
+    chain = seq.tokens[engine.cache_lens[row] :] + draft.tokens[1:]
+    policy = config.candidate_policy
+    keep = policy and (lambda values, costs: policy.count(width, len(chain), values, costs))
+    plan = plan_candidates(draft.confidences, draft.alternatives, width, config.packed_budget,
+                           config.fan_out, engine.block_size, keep=keep)
+    s = len(seq.tokens) - 1  # position of t
+    return DraftRequest(chain, [BlockSpec(s + c.accepted, c.guess) for c in plan]), plan
 
 
 def _usable_parts(seqs, requests, plans, accepted, old_lengths, cache_lens):

@@ -64,8 +64,8 @@ class DraftEngine:
         self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._ready = None  # a CUDA event the next pass waits for (see mark_ready)
         self.rows = rows
-        # Not prepacked: measured on 2 AVX2 cores, the drafter's small products gain nothing that pays for
-        # packing its weights afresh in every engine (they may change between decodes: training, heals).
+        # Layer products not prepacked: measured on 2 AVX2 cores, the drafter's small products gain nothing
+        # from it (its lm_head is; models/lean.py).
         self.runner = decoder_runner(model, lean)
         self.cache = self.runner.new_cache(rows)
         self.cache_lens = [0] * rows  # valid cached positions per row
@@ -124,7 +124,8 @@ class DraftEngine:
             return [[] for _ in layouts]
         index_r = torch.cat([torch.full((self.block_size,), r) for r, _ in rows])
         index_q = torch.cat([layouts[r].slot_rows[n] for r, n in rows])
-        logits = masked_logits(self.model, hidden[index_r.to(self.device), index_q.to(self.device)])
+        slots = hidden[index_r.to(self.device), index_q.to(self.device)]
+        logits = masked_logits(self.model, slots, self.runner.logits)
         # The few top probabilities without the full softmax: exp(logit - logsumexp) (blocks * B, F + 1).
         top_l, top_i = logits.topk(self.fan_out + 1, dim=-1)
         top_p = (top_l - logits.logsumexp(dim=-1, keepdim=True)).exp()

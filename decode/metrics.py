@@ -1,4 +1,4 @@
-"""Summaries of decoder results (DESIGN section 4).
+"""Summaries of decoder results (docs/design.md, Decoders).
 
 tau = mean acceptance length (a + 1) per round. `tau_macro` averages per-prompt means (DFlash's
 convention), `tau_micro` pools every round. Time per token is total decode time over total timed tokens
@@ -58,6 +58,7 @@ def _async_summary(rounds, block_size: int) -> dict:
         if outcome:
             by_outcome[str(a)] = {"rounds": len(outcome), "hit_rate": sum(outcome) / len(outcome)}
     n = len(rounds) or 1
+    packed = [r.packed_tokens for r in rounds if r.packed_tokens]  # rounds that ran a packed pass
     split = {
         "verify": sum(r.verify_s for r in rounds),
         "packed": sum(r.draft_s for r in rounds),
@@ -72,6 +73,9 @@ def _async_summary(rounds, block_size: int) -> dict:
         "hit_rate_by_outcome": by_outcome,
         "fallback_rate": sum(not r.hit for r in judged) / len(judged) if judged else None,
         "packed_tokens_mean": mean(r.packed_tokens for r in rounds) if rounds else None,
+        # Rounds that ran a packed pass (decode.cost.CandidatePolicy may skip it) and its mean tokens.
+        "packed_share": len(packed) / len(rounds) if rounds else None,
+        "packed_pass_tokens_mean": mean(packed) if packed else None,
         "time_split_ms": {key: 1000 * value / n for key, value in split.items()},
         "packed_hidden_fraction": split["overlap"] / split["packed"] if split["packed"] > 0 else None,
     }

@@ -12,7 +12,8 @@ first slot. Probabilities come from the drafter's own confidences c_i (probabili
 Candidates are taken greedily by value (ties: smaller a, then better rank) while their tokens fit the
 budget; a rejection candidate costs S + 1 query tokens (guess + S mask slots, S the drafter's block
 size), the all-accepted one S. B is the verified block size, at most S.
-Only drafter outputs enter, never timing, so a replay makes the same choices.
+Only drafter outputs enter (and, through `keep`, the cost model's rounded time ratios, fixed for a run),
+so a replay makes the same choices.
 """
 
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ def plan_candidates(
     budget_tokens: int,
     max_fan_out: int,
     slots: int | None = None,
+    keep=None,
 ) -> list[Candidate]:
     """Choose the candidates of one packed pass.
 
@@ -44,6 +46,8 @@ def plan_candidates(
         budget_tokens: query tokens available for candidate blocks (the chain is not counted).
         max_fan_out: at most this many guesses per outcome.
         slots: mask slots per drafted block (the drafter's block size; default `block_size`).
+        keep: optional callable(values, costs) -> k that keeps the k best of the candidates that fit
+            (their values and query-token costs, best first), e.g. decode.cost.CandidatePolicy.
 
     Returns:
         The chosen candidates sorted by (accepted, guess rank), the all-accepted one last.
@@ -60,7 +64,9 @@ def plan_candidates(
     chosen, left = [], budget_tokens
     for value, a, rank, token, cost in options:
         if value > 0 and cost <= left:
-            chosen.append((a, rank, token))
+            chosen.append((value, cost, (a, rank, token)))
             left -= cost
-    chosen.sort()
+    if keep is not None:
+        chosen = chosen[: keep([value for value, _, _ in chosen], [cost for _, cost, _ in chosen])]
+    chosen = sorted(candidate for _, _, candidate in chosen)
     return [Candidate(a, token) for a, _, token in chosen]

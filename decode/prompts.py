@@ -37,7 +37,7 @@ def read_prompt_file(path: str | Path) -> list[dict]:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DataError(f"{path}:{number}: not valid JSON ({exc.msg}); write one JSON object per line") from None
-        _check_record(record, f"{path}:{number}")
+        check_record(record, f"{path}:{number}")
         record.setdefault("id", str(len(records)))
         records.append(record)
     if not records:
@@ -45,7 +45,8 @@ def read_prompt_file(path: str | Path) -> list[dict]:
     return records
 
 
-def _check_record(record, where: str) -> None:
+def check_record(record, where: str) -> None:
+    """DataError naming `where` unless `record` is a valid prompt record (see the module docstring)."""
     if not isinstance(record, dict) or sum(key in record for key in PROMPT_KEYS) != 1:
         raise DataError(f"{where}: each record needs exactly one of {', '.join(PROMPT_KEYS)}")
     if "input_ids" in record:

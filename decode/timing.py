@@ -49,6 +49,8 @@ class _DrafterProbe:
         candidates = max(1, min(block - 1, packed_budget // (block + 1)))
         self.draft = DraftRequest(ids[:1], [BlockSpec(context)])
         self.packed = DraftRequest(ids[:block], [BlockSpec(context + a, guess=ids[a]) for a in range(candidates)])
+        self.draft_tokens = 1 + block  # query tokens of each pass
+        self.packed_tokens = block + candidates * (block + 1)
         self.engine = DraftEngine(drafter, rows=1)
         self.engine.forward([DraftRequest(ids, [])])
         self.engine.keep([context])
@@ -117,7 +119,8 @@ def measure_pass_times(target, drafter, config: DecodeConfig, repeats: int = 7, 
     slope = sum((ms[w] - ar_ms) * (w - 1) for w in rest) / sum((w - 1) ** 2 for w in rest)
     alone = (ms[width], ms["packed"])
     contention = (ms["together"] - max(alone)) / min(alone) if min(alone) > 0 else 0.0
-    return PassTimes(ar_ms, max(0.0, slope), ms["draft"], ms["packed"], min(1.0, max(0.0, contention)))
+    return PassTimes(ar_ms, max(0.0, slope), ms["draft"], ms["packed"], min(1.0, max(0.0, contention)),
+                     drafter_probe.draft_tokens, drafter_probe.packed_tokens)
 
 
 def drafter_layer_costs(drafter, packed_budget: int = 64, repeats: int = 5,

@@ -3,8 +3,8 @@
 One worker is created on first use and reused by every decode call (and by the timing of concurrent
 passes), so no call pays for a new thread. On a CPU the two concurrent passes would otherwise each ask
 for every core and fight over them; `thread_split` gives the worker `draft_threads` intra-op threads and
-the caller the rest for the duration of a decode (torch's thread count is per thread), then restores
-the caller's count. On a GPU the passes run on their own streams and the split does nothing.
+the caller the rest while both passes run (torch's thread count is per thread), then restores the
+caller's count, so a round without a packed pass verifies and drafts with every core. On a GPU the passes run on their own streams and the split does nothing.
 """
 
 import contextlib
@@ -14,12 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 _WORKER: ThreadPoolExecutor | None = None
+_WORKER_THREADS: int | None = None  # the worker's intra-op thread count, once set
 
 
 def _forget_worker() -> None:
     # A forked child inherits the executor object but not its thread: submitting to it would wait forever.
-    global _WORKER
-    _WORKER = None
+    global _WORKER, _WORKER_THREADS
+    _WORKER, _WORKER_THREADS = None, None
 
 
 os.register_at_fork(after_in_child=_forget_worker)
@@ -52,7 +53,10 @@ def thread_split(device: torch.device, draft_threads: int | None = None):
     total = torch.get_num_threads()
     draft = draft_threads or default_draft_threads(total)
     torch.set_num_threads(max(1, total - draft))
-    draft_worker().submit(torch.set_num_threads, draft).result()
+    global _WORKER_THREADS
+    if _WORKER_THREADS != draft:  # a round trip to the worker only when its count changes
+        draft_worker().submit(torch.set_num_threads, draft).result()
+        _WORKER_THREADS = draft
     try:
         yield
     finally:

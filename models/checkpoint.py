@@ -3,13 +3,15 @@
 A checkpoint folder (`atomic_folder`) or a single file (`atomic_file`, the one atomic file writer of
 the tool) is written to a temporary sibling (same parent, so the final rename is atomic on one file
 system) and renamed into place only when complete: a killed save leaves at most a hidden
-`.NAME.partial-*` entry, never a half-written one under the real name. What is renamed into place has
+`.NAME.partial-*` entry, never a half-written one under the real name (`remove_partials` clears them), and
+a full disk is one DiskFullError naming the path and the fix. What is renamed into place has
 the permissions the user's umask gives a new file or folder, whichever temporary-file mechanism wrote
 it (mkstemp, and libraries that write through it, make 0600 files). Loading reads safetensors only
 (never pickle) and never needs `trust_remote_code`.
 """
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -18,7 +20,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .errors import CheckpointError
+from .errors import CheckpointError, DiskFullError
+from .faults import fault_point
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -49,30 +52,55 @@ def ensure_writable_output(path: str | os.PathLike, overwrite: bool = False) -> 
 
 
 @contextlib.contextmanager
+def write_errors_named(path: str | os.PathLike):
+    """Within the block, the OSErrors of writing become one-line errors naming `path` and the fix: a full disk
+    or quota (ENOSPC, EDQUOT) a DiskFullError, a refused write (EACCES, EPERM, EROFS) a CheckpointError.
+    Every atomic write goes through here, so the translation lives in one place."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFullError(
+                f"disk full while writing {path} ({exc.strerror}); what was saved before is intact: free disk "
+                "space, then rerun the same command (prune run: with --resume) to continue"
+            ) from None
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise CheckpointError(f"cannot write {path} ({exc.strerror}); choose an output folder you can write to")
+        raise
+
+
+@contextlib.contextmanager
 def atomic_folder(path: str | os.PathLike, overwrite: bool = False):
     """Yield a temporary folder that replaces `path` only if the block completes without error.
 
     The temporary folder sits in the same parent as `path`. On any exception (or KeyboardInterrupt) it
-    is removed and `path` is left exactly as it was.
+    is removed and `path` is left exactly as it was; a full disk raises DiskFullError (write_errors_named).
     """
-    path = ensure_writable_output(path, overwrite)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
-    try:
-        yield tmp
-        make_readable(tmp)
-        _fsync_tree(tmp)
-        if path.exists():
-            # Move the old folder aside first so that `path` is never missing a complete version for long.
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-            os.rename(path, old / path.name)
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with write_errors_named(path):
+        path = ensure_writable_output(path, overwrite)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+        try:
+            yield tmp
+            _commit_folder(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def _commit_folder(tmp: Path, path: Path) -> None:
+    """Rename the complete temporary folder `tmp` into place as `path` (see atomic_folder)."""
+    make_readable(tmp)
+    _fsync_tree(tmp)
+    fault_point(f"write:{path.name}")
+    if path.exists():
+        # Move the old folder aside first so that `path` is never missing a complete version for long.
+        old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+        os.rename(path, old / path.name)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, path)
 
 
 @contextlib.contextmanager
@@ -81,27 +109,59 @@ def atomic_file(path: str | os.PathLike):
 
     The block writes the temporary file (it exists, empty, next to `path`); the file is then given the
     umask's permissions, flushed to disk and renamed over `path`. On any exception it is removed and
-    `path` is left as it was. Temporary names are unique, so concurrent writers of one path never mix.
+    `path` is left as it was; a full disk raises DiskFullError (write_errors_named). Temporary names are
+    unique, so concurrent writers of one path never mix.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, name = tempfile.mkstemp(prefix=f".{path.name}.partial-", dir=path.parent)
-    os.close(handle)
-    tmp = Path(name)
-    try:
-        yield tmp
-        make_readable(tmp)
-        with open(tmp, "rb") as written:
-            os.fsync(written.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with write_errors_named(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(prefix=f".{path.name}.partial-", dir=path.parent)
+        os.close(handle)
+        tmp = Path(name)
+        try:
+            yield tmp
+            make_readable(tmp)
+            with open(tmp, "rb") as written:
+                os.fsync(written.fileno())
+            fault_point(f"write:{path.name}")
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write `text` to `path` atomically (see atomic_file)."""
     with atomic_file(path) as tmp:
         tmp.write_text(text)
+
+
+def atomic_symlink(path: str | os.PathLike, target: str) -> None:
+    """Make `path` a symbolic link to `target` (relative to its folder), replacing what was there in one rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    with write_errors_named(path):
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(target)
+        os.replace(tmp, path)
+
+
+def remove_partials(path: str | os.PathLike) -> list[Path]:
+    """Remove what killed atomic writes of `path` left behind; returns the entries removed.
+
+    That is `.NAME.partial-*` and `.NAME.old-*` beside `path` and, when `path` is a folder, every `.*.partial-*`
+    and `.*.old-*` inside it. A live writer's temporary entries look the same: call this only while holding
+    the output's lock (models.lock.output_lock).
+    """
+    path = Path(path)
+    found = [*path.parent.glob(f".{path.name}.partial-*"), *path.parent.glob(f".{path.name}.old-*")]
+    if path.is_dir():
+        found += [*path.glob(".*.partial-*"), *path.glob(".*.old-*")]
+    for entry in found:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    return found
 
 
 def current_umask() -> int:

@@ -138,6 +138,10 @@ def validate_config(config: Qwen3Config | dict, where: str = "drafter config") -
     draft_vocab = get("draft_vocab_size") or vocab_size
     if not 0 < draft_vocab <= vocab_size:
         raise ConfigError(f"{where}: draft_vocab_size {draft_vocab} must be in 1..vocab_size ({vocab_size})")
+    heads, kv_heads = get("num_attention_heads"), get("num_key_value_heads")
+    if heads and kv_heads and heads % kv_heads:
+        raise ConfigError(f"{where}: num_attention_heads {heads} must be a multiple of num_key_value_heads "
+                          f"{kv_heads} (--heads, --kv-heads)")
     layers = get("num_hidden_layers")
     layer_types = get("layer_types")
     if layer_types is not None and len(layer_types) != layers:

@@ -17,6 +17,10 @@ class CheckpointError(D3DError):
     """A checkpoint folder is missing, incomplete, corrupted, or would be overwritten."""
 
 
+class DiskFullError(CheckpointError):
+    """The disk (or quota) filled while a file or folder was written; what was saved before is intact."""
+
+
 class DataError(D3DError):
     """A prompt file or dataset cannot be read or does not fit the model."""
 

@@ -30,9 +30,11 @@ def drafter_hidden(
     return TransformersDecoder(model).forward(input_ids, layout.positions, layout.mask, DynamicKV(cache))
 
 
-def masked_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """Float32 logits `(..., vocab)` of `hidden` `(..., hidden_size)`, with the mask id and padding rows at -inf."""
-    logits = model.lm_head(hidden).float()
+def masked_logits(model: torch.nn.Module, hidden: torch.Tensor, head=None) -> torch.Tensor:
+    """Float32 logits `(..., vocab)` of `hidden` `(..., hidden_size)`, with the mask id and padding rows at -inf.
+
+    `head`: the function that applies the lm_head (a runner's `logits`); default `model.lm_head`."""
+    logits = (head or model.lm_head)(hidden).float()
     logits[..., model.config.mask_token_id] = float("-inf")
     limit = draft_vocab_limit(model.config)
     if limit < logits.shape[-1]:

@@ -1,6 +1,6 @@
 """The one attention-mask builder, shared by training and every inference layout.
 
-The rule (DESIGN section 3). Tokens are *clean* (committed or real text, plus explicit guesses) or
+The rule (docs/design.md, Masks). Tokens are *clean* (committed or real text, plus explicit guesses) or
 *mask slots*. A block is B mask slots anchored after clean position p, optionally preceded by one
 explicit guessed clean token at p + 1 (then the slots sit after the guess).
 

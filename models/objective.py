@@ -1,4 +1,4 @@
-"""The drafter's training objective, L = L_diff + lambda * L_AR (DESIGN section 3), in the inference geometry.
+"""The drafter's training objective, L = L_diff + lambda * L_AR (docs/design.md, Masks), in the inference geometry.
 
 One training sequence of L tokens (prompt + the target's greedy response) becomes one query layout built
 by `models.masks.block_layout`: the clean stream (cache_len = 0, chain_len = L) followed by N blocks of

@@ -39,6 +39,26 @@ def load_pair(
     drafter_tokenizer = load_tokenizer(drafter_dir)
     check_pair(drafter_config, target_config, drafter_tokenizer, tokenizer)
     target = load_target(target_path, dtype, device)
+    return _with_drafter(target, drafter_dir, tokenizer, drafter_tokenizer, dtype, device)
+
+
+def pair_with_target(drafter_dir: str | os.PathLike, target: torch.nn.Module, tokenizer=None) -> Pair:
+    """A pair around an already-loaded target (set to eval mode); the drafter loads in the target's dtype
+    and on its device.
+
+    Args:
+        tokenizer: the target's tokenizer; None uses the drafter folder's tokenizer files (exported drafters
+            carry those of their target).
+    """
+    drafter_config = validate_checkpoint(drafter_dir)
+    drafter_tokenizer = load_tokenizer(drafter_dir)
+    check_pair(drafter_config, target.config, drafter_tokenizer, tokenizer)
+    weight = next(target.parameters())
+    return _with_drafter(target.eval(), drafter_dir, tokenizer, drafter_tokenizer, weight.dtype, weight.device)
+
+
+def _with_drafter(target, drafter_dir, tokenizer, drafter_tokenizer, dtype, device) -> Pair:
+    """Load the drafter of a checked pair and assemble the Pair (the target's tokenizer preferred)."""
     drafter = load_drafter(drafter_dir, dtype, device)
     max_positions = min(
         getattr(target.config, "max_position_embeddings", 1 << 30),

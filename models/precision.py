@@ -13,6 +13,9 @@ from pathlib import Path
 
 import torch
 
+from .errors import ConfigError
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 NATIVE_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 AUTO_DTYPE_ENV = "D3D_PRUNE_AUTO_DTYPE"
 
@@ -40,3 +43,13 @@ def auto_dtype_name(device: torch.device, flags: set[str] | None = None) -> str:
         flags = cpu_flags() if flags is None else flags
         return "bfloat16" if any(flag in flags for flag in NATIVE_BF16_CPU_FLAGS) else "float32"
     return "float32"
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """The torch dtype of `dtype`: a torch dtype as is, a name of DTYPE_NAMES, or "auto" (auto_dtype_name)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = auto_dtype_name(device) if dtype == "auto" else dtype
+    if name not in DTYPE_NAMES:
+        raise ConfigError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPE_NAMES)} or a torch dtype")
+    return getattr(torch, name)

@@ -1,6 +1,6 @@
 """Layer surgery: remove decoder layers and keep config, module indices and provenance in sync.
 
-Three things must agree after a removal (DESIGN section 9): `num_hidden_layers`, every per-layer list
+Three things must agree after a removal (docs/design.md, Layer surgery): `num_hidden_layers`, every per-layer list
 in the config (`layer_types`, ...), and the `layer_idx` of every attention module, which selects the
 layer's slot in the KV cache. A stale `layer_idx` silently shares a cache slot between layers.
 """

@@ -71,14 +71,33 @@ def check_pair(drafter_config, target_config, drafter_tokenizer=None, target_tok
         )
     if not 2 <= block <= MAX_BLOCK_SIZE or block > getattr(target_config, "max_position_embeddings", block):
         raise CompatibilityError(f"block_size {block} is not usable with this target; use 2..{MAX_BLOCK_SIZE}")
-    if drafter_tokenizer is not None and target_tokenizer is not None:
-        d_vocab, t_vocab = drafter_tokenizer.get_vocab(), target_tokenizer.get_vocab()
-        differing = [tok for tok, idx in t_vocab.items() if d_vocab.get(tok) != idx]
-        if differing:
-            raise CompatibilityError(
-                f"tokenizer mismatch: {len(differing)} target tokens have another id in the drafter's tokenizer "
-                f"(e.g. {differing[0]!r}); the drafter must share the target's tokenizer"
-            )
+    _check_same_ids(drafter_tokenizer, target_tokenizer, "drafter")
+
+
+def check_assistant(assistant_config, target_config, assistant_tokenizer=None, target_tokenizer=None) -> None:
+    """Raise CompatibilityError unless a causal LM can draft for the target in transformers' assisted
+    generation with the target's tokenizer: the same vocabulary size and, where both carry tokenizers, the
+    same id for every target token."""
+    sizes = getattr(assistant_config, "vocab_size", None), getattr(target_config, "vocab_size", None)
+    if sizes[0] != sizes[1]:
+        raise CompatibilityError(
+            f"vocabulary mismatch: the assistant has {sizes[0]} ids, the target {sizes[1]}; pass an assistant "
+            "model of the target's tokenizer (e.g. a smaller model of the same family)"
+        )
+    _check_same_ids(assistant_tokenizer, target_tokenizer, "assistant")
+
+
+def _check_same_ids(tokenizer, target_tokenizer, role: str) -> None:
+    """CompatibilityError unless `tokenizer` maps every token of `target_tokenizer` to the same id (either None: no check)."""
+    if tokenizer is None or target_tokenizer is None:
+        return
+    own, target = tokenizer.get_vocab(), target_tokenizer.get_vocab()
+    differing = [tok for tok, idx in target.items() if own.get(tok) != idx]
+    if differing:
+        raise CompatibilityError(
+            f"tokenizer mismatch: {len(differing)} target tokens have another id in the {role}'s tokenizer "
+            f"(e.g. {differing[0]!r}); the {role} must share the target's tokenizer"
+        )
 
 
 def target_config_of(path: str | os.PathLike):

@@ -18,7 +18,7 @@ drafter of width d < D with H/G query heads and one key/value head (one group), 
 - Embedding (tied): E Q; the mask token and padding rows start at the mean embedding.
 
 The result is not a good language model by itself (a third of the width is kept), but it starts training
-from the target's features instead of noise; `prune train-drafter --init-from-target` uses it.
+from the target's features instead of noise; `prune train-drafter --init slice` (the default) uses it.
 """
 
 import math

@@ -1,7 +1,8 @@
 """The `prune` command line: parses arguments, dispatches to one command module, maps errors to exit codes.
 
 Exit codes: 0 success; 1 a known error (printed as `Error: ...`, traceback only with --debug);
-2 a usage error (argparse). stdout carries data (tables, JSON); progress and logs go to stderr.
+2 a usage error (argparse; one line, `prune CMD: error: ...; see prune CMD --help`, from the shared
+argument types of prune/commands/_types.py). stdout carries data (tables, JSON); progress and logs go to stderr.
 Importing this module does not import torch, transformers, wandb or optuna.
 """
 
@@ -10,6 +11,7 @@ import sys
 
 from . import __version__
 from .commands import COMMANDS
+from .commands._common import Parser
 
 DESCRIPTION = """\
 Prune block-diffusion speculative drafters (D3D-style) by their impact on acceptance length.
@@ -20,7 +22,7 @@ config.json carries block_size and mask_token_id; a target is any local causal-L
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="prune", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"d3d-prune {__version__}")

@@ -373,14 +373,18 @@ def generate_distillation_data(
         batch_size: prompts per `generate` call; device, dtype ("float32" / "bfloat16"): where it runs.
         seed, style: select the prompts (see `collect_training_prompts`).
         shard_size: prompts per shard file (the unit of resumption).
+
+    Holds the lock of `out_dir` (models.lock) while it runs: a second generation into the same folder fails
+    at once. Responses are greedy and shards are written atomically, so a generation killed at any moment
+    and rerun ends with the same files as one never interrupted.
     """
     import torch
 
     from decode.prompts import tokenize_records
     from models.checkpoint import atomic_write_text, sha256_file
-    from models.errors import CheckpointError, ConfigError, DataError
-    from models.target import load_target, load_tokenizer
-    from prune.progress import progress_bar
+    from models.errors import ConfigError, DataError
+    from models.lock import output_lock
+    from models.target import load_tokenizer
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
@@ -388,10 +392,40 @@ def generate_distillation_data(
     if min(num_prompts, max_new_tokens, batch_size, shard_size) < 1:
         raise ConfigError("num_prompts, max_new_tokens, batch_size and shard_size must all be >= 1")
     target_dir, out_dir = Path(target_dir), Path(out_dir)
-    tokenizer = load_tokenizer(target_dir)
-    if tokenizer is None:
-        raise DataError(f"target {target_dir} has no tokenizer files; distillation needs the target's tokenizer")
+    with output_lock(out_dir):
+        tokenizer = load_tokenizer(target_dir)
+        if tokenizer is None:
+            raise DataError(f"target {target_dir} has no tokenizer files; distillation needs the target's tokenizer")
+        prompts, eval_texts = _select_prompts(num_prompts, seed, stdlib_dir, style)
+        weights = target_dir / "model.safetensors"
+        settings = {
+            "format": FORMAT_VERSION,
+            "target_weights_sha256": sha256_file(weights) if weights.is_file() else None,
+            "num_prompts": len(prompts),
+            "max_new_tokens": max_new_tokens,
+            "dtype": dtype,
+            "seed": seed,
+            "style": style,
+            "shard_size": shard_size,
+            "prompts_sha256": _digest([p["prompt"] for p in prompts]),
+        }
+        _check_manifest(out_dir, settings)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        record = {**settings, "target": str(target_dir), "eval_filter": eval_texts is not None,
+                  "eval_prompts_checked": len(eval_texts or []), "shards": -(-len(prompts) // shard_size)}
+        atomic_write_text(out_dir / MANIFEST, json.dumps(record, indent=2, sort_keys=True) + "\n")
+        records = [{**p, "prompt_ids": ids.input_ids}
+                   for p, ids in zip(prompts, tokenize_records([{"id": p["id"], "prompt": p["prompt"]} for p in prompts],
+                                                               tokenizer))]
+        shards = [records[i : i + shard_size] for i in range(0, len(records), shard_size)]
+        _answer_shards(target_dir, out_dir, shards, tokenizer, dtypes[dtype], device, max_new_tokens, batch_size,
+                       progress)
+    return out_dir
 
+
+def _select_prompts(num_prompts: int, seed: int, stdlib_dir, style: str) -> tuple[list[dict], list[str] | None]:
+    """(`num_prompts` training prompt records with no evaluation prompt in them, the evaluation texts checked
+    against or None when the suites could not be loaded)."""
     # The calib and champ styles consist of suite material: checked against the evaluation parts only.
     suite_style = style in SUITE_STYLES
     eval_texts = evaluation_prompts(strict=suite_style, part="eval" if suite_style else None)
@@ -400,45 +434,39 @@ def generate_distillation_data(
         prompts = collect_training_prompts(asked, seed, stdlib_dir, style=style)
         kept = drop_evaluation_overlap(prompts, eval_texts) if eval_texts is not None else prompts
         if len(kept) >= num_prompts:
-            break
+            return kept[:num_prompts], eval_texts
         asked += 2 * (num_prompts - len(kept))
-    prompts = kept[:num_prompts]
-    weights = target_dir / "model.safetensors"
-    settings = {
-        "format": FORMAT_VERSION,
-        "target_weights_sha256": sha256_file(weights) if weights.is_file() else None,
-        "num_prompts": len(prompts),
-        "max_new_tokens": max_new_tokens,
-        "dtype": dtype,
-        "seed": seed,
-        "style": style,
-        "shard_size": shard_size,
-        "prompts_sha256": _digest([p["prompt"] for p in prompts]),
-    }
-    manifest = out_dir / MANIFEST
-    if manifest.is_file():
-        old = json.loads(manifest.read_text())
-        changed = sorted(k for k in settings if old.get(k, "general" if k == "style" else None) != settings[k])
-        if changed:
-            raise CheckpointError(f"{out_dir} holds distillation data made with other settings ({', '.join(changed)});"
-                                  " rerun with the same settings to finish it, or choose another output folder")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    record = {**settings, "target": str(target_dir), "eval_filter": eval_texts is not None,
-              "eval_prompts_checked": len(eval_texts or []), "shards": -(-len(prompts) // shard_size)}
-    atomic_write_text(manifest, json.dumps(record, indent=2, sort_keys=True) + "\n")
 
-    records = [{**p, "prompt_ids": ids.input_ids}
-               for p, ids in zip(prompts, tokenize_records([{"id": p["id"], "prompt": p["prompt"]} for p in prompts],
-                                                           tokenizer))]
-    shards = [records[i : i + shard_size] for i in range(0, len(records), shard_size)]
+
+def _check_manifest(out_dir: Path, settings: dict) -> None:
+    """Refuse a folder whose manifest records other settings (a restart must finish the same data)."""
+    from models.errors import CheckpointError
+
+    manifest = out_dir / MANIFEST
+    if not manifest.is_file():
+        return
+    old = json.loads(manifest.read_text())
+    changed = sorted(k for k in settings if old.get(k, "general" if k == "style" else None) != settings[k])
+    if changed:
+        raise CheckpointError(f"{out_dir} holds distillation data made with other settings ({', '.join(changed)});"
+                              " rerun with the same settings to finish it, or choose another output folder")
+
+
+def _answer_shards(target_dir: Path, out_dir: Path, shards: list[list[dict]], tokenizer, dtype, device,
+                   max_new_tokens: int, batch_size: int, progress: bool) -> None:
+    """Answer the prompt records of every shard not yet on disk with the target and write each shard file."""
+    from models.checkpoint import atomic_write_text
+    from models.target import load_target
+    from prune.progress import progress_bar
+
     todo = [n for n in range(len(shards)) if not (out_dir / f"shard-{n:05d}.jsonl").is_file()]
     if not todo:
-        return out_dir
-    model = load_target(target_dir, dtype=dtypes[dtype], device=device)
+        return
+    model = load_target(target_dir, dtype=dtype, device=device)
     eos = _eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     done = sum(len(shards[n]) for n in range(len(shards)) if n not in todo)
-    with progress_bar("distill", len(records), progress) as advance:
+    with progress_bar("distill", sum(map(len, shards)), progress) as advance:
         advance(done)
         for n in todo:
             shard = shards[n]
@@ -450,7 +478,6 @@ def generate_distillation_data(
                     row["response_ids"], row["stopped"] = ids, stopped
                 advance(len(rows))
             atomic_write_text(out_dir / f"shard-{n:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in shard))
-    return out_dir
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

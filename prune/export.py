@@ -1,4 +1,4 @@
-"""Export one pruning step as a self-describing drafter folder (DESIGN section 6).
+"""Export one pruning step as a self-describing drafter folder (docs/design.md, Progressive pruning).
 
 The folder is written atomically (models.checkpoint.atomic_folder through save_drafter): safetensors with no
 tensor of a removed layer, a config whose `original_layer_indices` name the kept layers (0-based, in the
@@ -22,8 +22,9 @@ from . import __version__
 REPORT_NAME = "prune_report.json"
 
 
-def model_card(history: list[dict], source: str, dtype: str) -> str:
-    """A README for an exported drafter: what it is, its dtype (a torch name), how to load it, the history table."""
+def model_card(history: list[dict], source: str, dtype: str, folder: str = "path/to/this/folder") -> str:
+    """A README for an exported drafter: what it is, its dtype (a torch name), how to load it and generate with
+    it (`folder`: its path as exported), the history table."""
     rows = "\n".join(
         f"| {h['step']} | {h.get('removed_original', '-')} | {h['layers']} | {_fmt(h.get('tau_before_heal'))} | "
         f"{_fmt(h.get('tau'))} | {_fmt(h.get('retention'))} | {_fmt(h.get('predicted_speedup'))} |"
@@ -36,6 +37,15 @@ Exported by d3d-prune {__version__} from `{source}`. Weights are stored in **{dt
 A plain `Qwen3ForCausalLM` checkpoint: load it with `AutoModelForCausalLM.from_pretrained(folder)`.
 `config.json` carries `block_size`, `mask_token_id` and `original_layer_indices` (the 0-based indices,
 in the unpruned drafter, of the layers kept here).
+
+Generate with it (d3d-prune installed; TARGET is the target model folder or `.gguf` file it drafts for):
+
+```python
+from decode.generator import Generator
+print(Generator("{folder}", "TARGET").generate("Write a haiku about the sea.").text)
+```
+
+or from a shell: `prune generate --drafter {folder} --target TARGET --prompt "Write a haiku about the sea."`
 
 | step | removed (original index) | layers | tau before heal | tau | retention | predicted speedup |
 |---|---|---|---|---|---|---|
@@ -93,7 +103,7 @@ def export_step(model, folder, source_dir, report: dict, history: list[dict], dt
         (tmp / REPORT_NAME).write_text(json.dumps(full, indent=2, sort_keys=True, default=str) + "\n")
 
     return save_drafter(model, folder, tokenizer_source=source_dir, overwrite=overwrite, dtype=dtype,
-                        extra_files={"README.md": model_card(history, str(source_dir), dtype_name)},
+                        extra_files={"README.md": model_card(history, str(source_dir), dtype_name, str(folder))},
                         before_commit=finish)
 
 

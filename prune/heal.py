@@ -3,7 +3,7 @@
 The adapter (peft) trains on the distillation data with `models.training.train` and the block-diffusion
 loss, and is merged into the weights with `merge_and_unload`, so the healed drafter is again a plain
 `Qwen3ForCausalLM` that saves and loads without peft. The caller decides whether to keep the result
-(DESIGN section 6: keep the pre-heal weights when a heal lowers tau).
+(docs/design.md, Progressive pruning: keep the pre-heal weights when a heal lowers tau).
 """
 
 import copy
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from models.errors import ConfigError
+from models.faults import fault_point
 from models.objective import Example
 from models.training import TrainConfig, train
 
@@ -78,5 +79,6 @@ def heal(model: torch.nn.Module, examples: list[Example], config: HealConfig, de
         return copy.deepcopy(model), []
     peft_model = add_lora(model, config)
     history = train(peft_model, examples, config.train_config(), device=device)
+    fault_point("heal")
     merged = peft_model.merge_and_unload()
     return merged.eval(), history

@@ -1,10 +1,12 @@
-"""Progressive pruning (DESIGN section 6): score -> remove -> heal -> measure -> export, repeated.
+"""Progressive pruning (docs/design.md, Progressive pruning): score -> remove -> heal -> measure -> export, repeated.
 
 Each step scores the remaining layers (prune.scoring), removes the `per_step` least harmful ones, heals
 with LoRA (prune.heal) and keeps the healed weights only if they do not lower calibration tau, then
 exports the step to OUT/step-XX and records it in OUT/state.json. The run stops at a layer budget, at a
 retention floor, or when predicted speedup stops improving (a step that breaks a rule is not taken); the
-state says which rule stopped it. A run resumes from its last completed step.
+state says which rule stopped it. A run resumes from its last completed step, and an unfinished scoring round
+from its last evaluated layer (prune.journal): a run killed at any moment and resumed ends with the same
+steps, byte for byte, as one never interrupted.
 
 Predicted speedup (decode.cost) uses pass times measured once at the start and stored in the state: the
 target's, and the drafter's as affine functions of depth (fitted on the unpruned drafter and a half-depth
@@ -16,14 +18,16 @@ import functools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
-from models.checkpoint import atomic_write_text, ensure_writable_output
+from models.checkpoint import atomic_symlink, atomic_write_text, ensure_writable_output
 from models.drafter import load_drafter
 from models.errors import CheckpointError, ConfigError
 from models.surgery import remove_layers
 
 from .export import export_step, resolve_export_dtype, round_to_dtype
 from .heal import HealConfig, heal
+from .journal import ScoringJournal, remove_journals
 from .progress import progress_bar
 from .report import write_report
 from .scoring import Evaluation, ScoreConfig, evaluate, score_layers
@@ -130,6 +134,26 @@ def measure_timing(drafter, score: ScoreConfig, target=None, times=None) -> dict
             "packed": [packed.fixed_ms, packed.per_layer_ms], "target": times.to_dict() if times else None}
 
 
+@dataclass
+class _Campaign:
+    """The fixed inputs of one run_pruning call (see there); `dtype` is the resolved export dtype."""
+
+    out: Path
+    source_dir: Path
+    prompts: list
+    config: RunConfig
+    target: object
+    trajectories: list | None
+    heal_examples: list | None
+    dtype: object
+    log: Callable
+    progress: Callable | None
+
+    def evaluate(self, model) -> Evaluation:
+        """The async decoder's measurements of `model` on the calibration prompts."""
+        return evaluate(model, self.prompts, self.config.score, self.trajectories, self.target)
+
+
 def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=None, trajectories=None,
                 heal_examples=None, resume: bool = False, log=print, on_step=None, progress=None,
                 timing: dict | None = None, export_dtype: str | None = None) -> dict:
@@ -140,6 +164,8 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
         source_dir: its folder (tokenizer files, generation config and provenance for the exports).
         prompts: calibration prompts (token ids); trajectories: their recorded target trajectories (replay).
         heal_examples: distillation `Example`s for healing (None or empty disables healing).
+        resume: continue the run in `out` (its state.json) after its last completed step; when `out` holds
+            no run yet, start one there (it need not be empty).
         on_step: optional callback(record, state) after each step is exported and saved (record = the step's
             entry of state["history"]). A returned string stops the run there, as a stop rule does: it becomes
             `stopped_by`, and the run ends normally (OUT/final, report). Used by sweeps (Optuna pruning) and
@@ -150,118 +176,162 @@ def run_pruning(drafter, source_dir, prompts, out, config: RunConfig, target=Non
             that trials compare tau, not timing noise); None measures it here.
         export_dtype: dtype of the exported steps ("float32", "bfloat16", "float16"); None or "source": the
             dtype `source_dir`'s weights are stored in. Steps are measured as rounded to it (round_to_dtype).
+
+    A killed run loses at most the evaluation, heal or write it was doing: each scoring round keeps its layer
+    evaluations in a journal (prune.journal), and every file is written atomically (models.checkpoint).
     """
-    out = Path(out)
-    state_file = out / STATE_NAME
-    dtype = resolve_export_dtype(export_dtype, source_dir)
-    if resume and state_file.is_file():
-        state = json.loads(state_file.read_text())
+    campaign = _Campaign(Path(out), Path(source_dir), prompts, config, target, trajectories, heal_examples,
+                         resolve_export_dtype(export_dtype, source_dir), log, progress)
+    state, current = _open_state(campaign, drafter, resume, timing)
+    removed_total = sum(len(h["removed_original"]) for h in state["history"])
+    while state["stopped_by"] is None:
+        k, state["stopped_by"] = _step_size(config, current.config.num_hidden_layers, removed_total)
+        if state["stopped_by"] is not None:
+            break
+        scores = _score_round(campaign, current, state)
+        healed, record = _remove_and_heal(campaign, current, scores, sorted(s.layer for s in scores.ranking()[:k]),
+                                          state)
+        state["stopped_by"] = _stop_rule(config, state, record)
+        if state["stopped_by"] is not None:
+            break
+        _commit_step(campaign, state, healed, record)
+        removed_total += len(record["removed"])
+        current = healed
+        if on_step is not None:
+            reason = on_step(record, state)
+            if reason:
+                state["stopped_by"] = str(reason)
+    save_state(campaign.out, state)
+    _link_final(campaign.out, state)
+    write_report(campaign.out, state)
+    remove_journals(campaign.out)
+    return state
+
+
+def _open_state(campaign: _Campaign, drafter, resume: bool, timing: dict | None):
+    """(state, the drafter to prune next): the saved run of `campaign.out` when resuming one, else a new run
+    (validated settings, unpruned evaluation and pass times, saved before the first scoring round)."""
+    out, config = campaign.out, campaign.config
+    if (out / STATE_NAME).is_file():
+        if not resume:
+            raise CheckpointError(f"{out} is not empty: it holds a pruning run; continue it with --resume or "
+                                  "choose another --out")
+        state = json.loads((out / STATE_NAME).read_text())
         if state["config"] != config_record(config):
             raise ConfigError(f"{out} holds a run with other settings; resume it with the same flags or choose "
                               "another --out")
         compute = next(drafter.parameters())
         current = (load_drafter(out / state["history"][-1]["folder"], compute.dtype, compute.device)
                    if state["history"] else drafter)
-        log(f"resuming {out} after step {len(state['history'])}")
+        campaign.log(f"resuming {out} after step {len(state['history'])}")
+        return state, current
+    if resume:
+        campaign.log(f"{out} holds no pruning run yet; starting one")
     else:
-        if not resume:
-            ensure_writable_output(out)
-        out.mkdir(parents=True, exist_ok=True)
-        config.validate(drafter.config.num_hidden_layers)
-        state = {"config": config_record(config), "source": str(source_dir), "history": [], "stopped_by": None}
-        base = evaluate(drafter, prompts, config.score, trajectories, target)
-        if timing is not None and timing["layers"] != drafter.config.num_hidden_layers:
-            raise ConfigError(f"the given timing is of a {timing['layers']}-layer drafter, this one has "
-                              f"{drafter.config.num_hidden_layers}; measure it with measure_timing(drafter, ...)")
-        state["timing"] = dict(timing) if timing is not None else measure_timing(drafter, config.score, target)
-        state["base"] = {"tau": base.tau, "fallback_rate": base.fallback_rate,
-                         "predicted_speedup": predicted_speedup_at(base, drafter.config.num_hidden_layers,
-                                                                   state["timing"])}
-        save_state(out, state)
-        current = drafter
-    base_tau = state["base"]["tau"]
-    removed_total = sum(len(h["removed_original"]) for h in state["history"])
-
-    while state["stopped_by"] is None:
-        layers = current.config.num_hidden_layers
-        if config.layers_to_remove is not None and removed_total >= config.layers_to_remove:
-            state["stopped_by"] = "layer budget"
-            break
-        k = min(config.per_step, layers - 1)
-        if config.layers_to_remove is not None:
-            k = min(k, config.layers_to_remove - removed_total)
-        if k < 1:
-            state["stopped_by"] = "one layer left"
-            break
-        with (progress or _silent)(f"step {len(state['history']) + 1}: scoring", layers) as advance:
-            scores = score_layers(current, prompts, config.score, target=target, trajectories=trajectories,
-                                  on_layer=lambda *_: advance(), times=campaign_times(state["timing"], layers),
-                                  layer_costs=layer_costs(state["timing"]))
-        chosen = sorted(s.layer for s in scores.ranking()[:k])
-        reduced = round_to_dtype(remove_layers(current, chosen), dtype)
-        if k == 1:  # scoring already measured the drafter without exactly this layer
-            removed = scores.layers[chosen[0]]
-            before = Evaluation([], removed.tau_without, None, removed.fallback_rate, removed.verify_width)
-        else:
-            before = evaluate(reduced, prompts, config.score, trajectories, target)
-        healed, losses, rolled_back = reduced, [], False
-        if heal_examples and config.heal.steps > 0:
-            candidate, losses = heal(reduced, heal_examples, config.heal)
-            candidate = round_to_dtype(candidate, dtype)  # judge the heal by the weights that are exported
-            after = evaluate(candidate, prompts, config.score, trajectories, target)
-            if after.tau >= before.tau:
-                healed, measured = candidate, after
-            else:
-                rolled_back, measured = True, before
-                log(f"step {len(state['history']) + 1}: healing lowered tau ({after.tau:.3f} < {before.tau:.3f}); "
-                    "kept the pre-heal weights")
-        else:
-            measured = before
-        retention = measured.tau / base_tau
-        speedup = predicted_speedup_at(measured, healed.config.num_hidden_layers, state["timing"])
-        if retention < config.min_retention:
-            state["stopped_by"] = (f"retention floor: removing original layers "
-                                   f"{[scores.layers[i].original_layer for i in chosen]} would keep "
-                                   f"{retention:.4f} < {config.min_retention}")
-            break
-        previous = state["history"][-1]["predicted_speedup"] if state["history"] else state["base"]["predicted_speedup"]
-        if config.stop_on_speedup and speedup is not None and previous is not None and speedup <= previous:
-            state["stopped_by"] = f"predicted speedup stopped improving ({speedup:.3f} <= {previous:.3f})"
-            break
-        step = len(state["history"]) + 1
-        record = {
-            "step": step, "folder": f"step-{step:02d}", "removed": chosen,
-            "removed_original": [scores.layers[i].original_layer for i in chosen],
-            "layers": healed.config.num_hidden_layers, "tau_before_heal": before.tau, "tau": measured.tau,
-            "retention": retention, "heal_rolled_back": rolled_back, "predicted_speedup": speedup,
-            "heal_loss": [h["loss"] for h in losses],
-            "scores": [asdict(s) for s in scores.layers],
-        }
-        history = state["history"] + [record]
-        try:
-            export_step(healed, out / record["folder"], source_dir,
-                        {"settings": state["config"], "base": state["base"], "timing": state["timing"]},
-                        [{k: v for k, v in h.items() if k != "scores"} for h in history], dtype=dtype,
-                        overwrite=True)
-        except OSError as exc:
-            raise CheckpointError(
-                f"could not write {out / record['folder']} ({exc.strerror or exc}); the run is intact up to step "
-                f"{step - 1}: free disk space and rerun with --resume"
-            ) from None
-        state["history"] = history
-        removed_total += len(chosen)
-        current = healed
-        log(f"step {step}: removed original layers {record['removed_original']}, tau {measured.tau:.3f} "
-            f"(retention {retention:.4f})")
-        save_state(out, state)
-        if on_step is not None:
-            reason = on_step(record, state)
-            if reason:
-                state["stopped_by"] = str(reason)
+        ensure_writable_output(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config.validate(drafter.config.num_hidden_layers)
+    if timing is not None and timing["layers"] != drafter.config.num_hidden_layers:
+        raise ConfigError(f"the given timing is of a {timing['layers']}-layer drafter, this one has "
+                          f"{drafter.config.num_hidden_layers}; measure it with measure_timing(drafter, ...)")
+    state = {"config": config_record(config), "source": str(campaign.source_dir), "history": [], "stopped_by": None}
+    base = campaign.evaluate(drafter)
+    state["timing"] = dict(timing) if timing is not None else measure_timing(drafter, config.score, campaign.target)
+    state["base"] = {"tau": base.tau, "fallback_rate": base.fallback_rate,
+                     "predicted_speedup": predicted_speedup_at(base, drafter.config.num_hidden_layers,
+                                                               state["timing"])}
     save_state(out, state)
-    _link_final(out, state)
-    write_report(out, state)
-    return state
+    return state, drafter
+
+
+def _step_size(config: RunConfig, layers: int, removed_total: int) -> tuple[int, str | None]:
+    """(layers to remove in the next step, None) or (0, the stop rule that ends the run before it)."""
+    if config.layers_to_remove is not None and removed_total >= config.layers_to_remove:
+        return 0, "layer budget"
+    k = min(config.per_step, layers - 1)
+    if config.layers_to_remove is not None:
+        k = min(k, config.layers_to_remove - removed_total)
+    return (k, None) if k >= 1 else (0, "one layer left")
+
+
+def _score_round(campaign: _Campaign, current, state: dict):
+    """Score every layer of `current` (prune.scoring.ScoreReport), continuing the round's journal if a killed
+    run left one with the same key (settings, pass times, prompts, trajectories, weights)."""
+    layers, step = current.config.num_hidden_layers, len(state["history"]) + 1
+    journal = ScoringJournal.for_round(campaign.out, step, state["config"], state["timing"], campaign.prompts,
+                                       campaign.trajectories, current)
+    if journal.layers:
+        campaign.log(f"step {step}: scoring continues with {len(journal.layers)} of {layers} layers evaluated "
+                     "before the interruption")
+    with (campaign.progress or _silent)(f"step {step}: scoring", layers) as advance:
+        return score_layers(current, campaign.prompts, campaign.config.score, target=campaign.target,
+                            trajectories=campaign.trajectories, on_layer=lambda *_: advance(),
+                            times=campaign_times(state["timing"], layers), layer_costs=layer_costs(state["timing"]),
+                            journal=journal)
+
+
+def _remove_and_heal(campaign: _Campaign, current, scores, chosen: list[int], state: dict):
+    """Remove layers `chosen` (current indices) from `current` and heal; returns (the step's drafter, its record
+    for state["history"]: what was removed, tau before and after healing, retention, predicted speedup, scores)."""
+    step = len(state["history"]) + 1
+    reduced = round_to_dtype(remove_layers(current, chosen), campaign.dtype)
+    if len(chosen) == 1:  # scoring already measured the drafter without exactly this layer
+        removed = scores.layers[chosen[0]]
+        before = Evaluation([], removed.tau_without, None, removed.fallback_rate, removed.verify_width,
+                            removed.packed_share, removed.packed_tokens)
+    else:
+        before = campaign.evaluate(reduced)
+    healed, measured, losses, rolled_back = _heal(campaign, reduced, before, step)
+    record = {
+        "step": step, "folder": f"step-{step:02d}", "removed": chosen,
+        "removed_original": [scores.layers[i].original_layer for i in chosen],
+        "layers": healed.config.num_hidden_layers, "tau_before_heal": before.tau, "tau": measured.tau,
+        "retention": measured.tau / state["base"]["tau"], "heal_rolled_back": rolled_back,
+        "predicted_speedup": predicted_speedup_at(measured, healed.config.num_hidden_layers, state["timing"]),
+        "heal_loss": [h["loss"] for h in losses],
+        "scores": [asdict(s) for s in scores.layers],
+    }
+    return healed, record
+
+
+def _heal(campaign: _Campaign, reduced, before: Evaluation, step: int):
+    """LoRA-heal `reduced` (measured as `before`), keeping the heal only if it does not lower tau; returns
+    (drafter, its Evaluation, heal loss history, whether the heal was rolled back)."""
+    if not (campaign.heal_examples and campaign.config.heal.steps > 0):
+        return reduced, before, [], False
+    candidate, losses = heal(reduced, campaign.heal_examples, campaign.config.heal)
+    candidate = round_to_dtype(candidate, campaign.dtype)  # judge the heal by the weights that are exported
+    after = campaign.evaluate(candidate)
+    if after.tau >= before.tau:
+        return candidate, after, losses, False
+    campaign.log(f"step {step}: healing lowered tau ({after.tau:.3f} < {before.tau:.3f}); kept the pre-heal weights")
+    return reduced, before, losses, True
+
+
+def _stop_rule(config: RunConfig, state: dict, record: dict) -> str | None:
+    """The stop rule a step recorded as `record` breaks (it is then not taken), or None."""
+    if record["retention"] < config.min_retention:
+        return (f"retention floor: removing original layers {record['removed_original']} would keep "
+                f"{record['retention']:.4f} < {config.min_retention}")
+    speedup = record["predicted_speedup"]
+    previous = state["history"][-1]["predicted_speedup"] if state["history"] else state["base"]["predicted_speedup"]
+    if config.stop_on_speedup and speedup is not None and previous is not None and speedup <= previous:
+        return f"predicted speedup stopped improving ({speedup:.3f} <= {previous:.3f})"
+    return None
+
+
+def _commit_step(campaign: _Campaign, state: dict, healed, record: dict) -> None:
+    """Export the step to OUT/step-XX, then record it in OUT/state.json (a step exists once the state names it)."""
+    history = state["history"] + [record]
+    export_step(healed, campaign.out / record["folder"], campaign.source_dir,
+                {"settings": state["config"], "base": state["base"], "timing": state["timing"]},
+                [{k: v for k, v in h.items() if k != "scores"} for h in history], dtype=campaign.dtype,
+                overwrite=True)
+    state["history"] = history
+    campaign.log(f"step {record['step']}: removed original layers {record['removed_original']}, tau "
+                 f"{record['tau']:.3f} (retention {record['retention']:.4f})")
+    save_state(campaign.out, state)
+    remove_journals(campaign.out)
 
 
 def config_record(config: RunConfig) -> dict:
@@ -270,15 +340,14 @@ def config_record(config: RunConfig) -> dict:
 
 
 def _link_final(out: Path, state: dict) -> None:
-    """OUT/final -> the last step taken (a relative symlink), or absent when no step was taken."""
+    """OUT/final -> the last step taken (a relative symlink, replaced in one rename), or absent when no step was taken."""
     final = out / "final"
-    if final.is_symlink() or final.exists():
-        final.unlink()
     if state["history"]:
-        final.symlink_to(state["history"][-1]["folder"])
+        atomic_symlink(final, state["history"][-1]["folder"])
+    elif final.is_symlink() or final.exists():
+        final.unlink()
 
 
-def check_resumable(out) -> None:
-    out = Path(out)
-    if not (out / STATE_NAME).is_file():
-        raise CheckpointError(f"{out} holds no pruning run to resume; start one without --resume")
+def has_run(out) -> bool:
+    """Whether folder `out` holds a pruning run (its state.json) that --resume continues."""
+    return (Path(out) / STATE_NAME).is_file()

@@ -1,10 +1,13 @@
 """The local report of a pruning run: OUT/report.md and PNG plots, for users without W&B.
 
+Every file is written atomically (models.checkpoint), so a killed run never leaves half a report.
 Plots (matplotlib, Agg backend): a heatmap of layer scores (steps x original layer index, 0-based),
 tau and predicted speedup against layers removed, and the heal loss curves.
 """
 
 from pathlib import Path
+
+from models.checkpoint import atomic_file, atomic_write_text
 
 
 def write_report(out, state: dict) -> list[Path]:
@@ -12,7 +15,7 @@ def write_report(out, state: dict) -> list[Path]:
     out = Path(out)
     files = [_heatmap(out, state), _curve(out, state), _heal_losses(out, state)]
     files = [f for f in files if f is not None]
-    (out / "report.md").write_text(_markdown(state, files))
+    atomic_write_text(out / "report.md", _markdown(state, files))
     return [out / "report.md", *files]
 
 
@@ -89,10 +92,7 @@ def _heatmap(out: Path, state: dict) -> Path | None:
     ax.set_yticks(range(len(grid)), [str(h["step"]) for h in state["history"]])
     fig.colorbar(image, ax=ax, label="score (drop when removed)")
     fig.tight_layout()
-    path = out / "layer_scores.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save_png(plt, fig, out / "layer_scores.png")
 
 
 def _curve(out: Path, state: dict) -> Path:
@@ -110,10 +110,7 @@ def _curve(out: Path, state: dict) -> Path:
         twin.set_ylabel("predicted speedup (x)")
     fig.legend(loc="lower left")
     fig.tight_layout()
-    path = out / "tau_vs_layers_removed.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save_png(plt, fig, out / "tau_vs_layers_removed.png")
 
 
 def _heal_losses(out: Path, state: dict) -> Path | None:
@@ -128,7 +125,12 @@ def _heal_losses(out: Path, state: dict) -> Path | None:
     ax.set_ylabel("drafter loss")
     ax.legend()
     fig.tight_layout()
-    path = out / "heal_loss.png"
-    fig.savefig(path, dpi=100)
+    return _save_png(plt, fig, out / "heal_loss.png")
+
+
+def _save_png(plt, fig, path: Path) -> Path:
+    """Write figure `fig` to `path` as a PNG (atomically), close it and return the path."""
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
     return path

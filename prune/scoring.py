@@ -1,4 +1,4 @@
-"""Layer importance: how much acceptance length drops when one layer is removed (DESIGN sections 5-6).
+"""Layer importance: how much acceptance length drops when one layer is removed (docs/design.md, Scoring).
 
 Score(layer) = tau(current drafter) - tau(current drafter without that layer), measured by the real
 async decoder on calibration prompts. With `verify="replay"` the target runs once per prompt to record
@@ -25,6 +25,7 @@ from decode.timing import drafter_pass_ms, measure_pass_times
 from decode.verifiers import LiveVerifier, ReplayVerifier
 from models.checkpoint import atomic_write_text
 from models.errors import ConfigError
+from models.faults import fault_point
 from models.surgery import remove_layers
 
 CRITERIA = ("tau", "speedup")
@@ -73,18 +74,22 @@ class Evaluation:
     hit_rate: float | None
     fallback_rate: float | None
     width: float | None = None
+    packed_share: float | None = None
+    packed_tokens: float | None = None
 
     @classmethod
     def of(cls, results: list[DecodeResult], block_size: int) -> "Evaluation":
         summary = summarize(results, block_size)
         return cls(summary["tau_per_prompt"], summary["tau_macro"], summary["hit_rate"], summary["fallback_rate"],
-                   summary["verify_width_mean"])
+                   summary["verify_width_mean"], summary.get("packed_share"), summary.get("packed_pass_tokens_mean"))
 
     def predicted_speedup(self, times: cost.PassTimes | None) -> float | None:
         """Predicted async speedup of this drafter with pass times `times` (None without target times)."""
         if times is None or self.width is None:
             return None
-        return cost.predicted_speedup("async", times, self.tau, self.width, self.fallback_rate or 0.0)
+        shape = {} if self.packed_share is None else {"packed_share": self.packed_share,
+                                                      "packed_tokens": self.packed_tokens}
+        return cost.predicted_speedup("async", times, self.tau, self.width, self.fallback_rate or 0.0, **shape)
 
 
 @dataclass
@@ -103,6 +108,8 @@ class LayerScore:
     predicted_speedup: float | None
     score: float
     verify_width: float | None = None
+    packed_share: float | None = None
+    packed_tokens: float | None = None
 
 
 @dataclass
@@ -160,7 +167,7 @@ def bootstrap_interval(deltas: list[float], resamples: int, confidence: float, s
 
 def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=None, trajectories=None,
                  on_layer=None, times: cost.PassTimes | None = None,
-                 layer_costs: tuple[cost.LayerCost, cost.LayerCost] | None = None) -> ScoreReport:
+                 layer_costs: tuple[cost.LayerCost, cost.LayerCost] | None = None, journal=None) -> ScoreReport:
     """Score every layer of `drafter` (see the module docstring).
 
     Args:
@@ -175,6 +182,9 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
             the drafters' pass times are then modelled, not timed per layer (a pruning campaign passes its
             own, so a scoring round spends no time on timing and its speedup scores carry no timing noise);
             None times the drafter and every reduced drafter.
+        journal: optional store of this round's evaluations (prune.journal.ScoringJournal: `base`, `layers`
+            {index: LayerScore}, `add_base`, `add_layer`): what it holds is not evaluated again and each new
+            evaluation is added as it finishes, so a killed round resumes at the layer it was evaluating.
     """
     config.validate()
     if config.verify == "replay" and trajectories is None:
@@ -186,7 +196,11 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
     block = config.decode.block_size or drafter.config.block_size
     if times is None and target is not None:
         times = measure_pass_times(target, drafter, config.decode, config.timing_repeats)
-    base = evaluate(drafter, prompts, config, trajectories, target)
+    base = journal.base if journal is not None and journal.base is not None else None
+    if base is None:
+        base = evaluate(drafter, prompts, config, trajectories, target)
+        if journal is not None:
+            journal.add_base(base)
 
     def pass_ms(model) -> tuple[float, float]:
         if layer_costs is not None:
@@ -200,19 +214,19 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
     original = list(getattr(drafter.config, "original_layer_indices", None) or range(drafter.config.num_hidden_layers))
     scores = []
     for layer in range(drafter.config.num_hidden_layers):
-        reduced = remove_layers(drafter, [layer])
-        evaluation = evaluate(reduced, prompts, config, trajectories, target)
-        deltas = [b - r for b, r in zip(base.tau_per_prompt, evaluation.tau_per_prompt)]
-        low, high = bootstrap_interval(deltas, config.bootstrap, config.confidence, config.seed + layer)
-        draft_ms, packed_ms = pass_ms(reduced)
-        speedup = evaluation.predicted_speedup(times and times.with_drafter(draft_ms, packed_ms))
-        delta = base.tau - evaluation.tau
-        score = delta if config.criterion == "tau" else base_speedup - speedup
-        scores.append(LayerScore(layer, original[layer], evaluation.tau, evaluation.fallback_rate, delta, low, high,
-                                 draft_ms, packed_ms, speedup, score, evaluation.width))
+        if journal is not None and layer in journal.layers:
+            scores.append(journal.layers[layer])
+        else:
+            reduced = remove_layers(drafter, [layer])
+            evaluation = evaluate(reduced, prompts, config, trajectories, target)
+            scores.append(_layer_score(layer, original[layer], base, evaluation, pass_ms(reduced), times,
+                                       base_speedup, config))
+            del reduced
+            if journal is not None:
+                journal.add_layer(scores[-1])
+            fault_point("score-layer")
         if on_layer is not None:
             on_layer(layer, scores[-1])
-        del reduced
     settings = {"criterion": config.criterion, "verify": config.verify, "decode": asdict(config.decode),
                 "prompts": len(prompts), "bootstrap": config.bootstrap, "confidence": config.confidence,
                 "seed": config.seed, "layers": "0-based; original_layer = index in the unpruned drafter"}
@@ -220,6 +234,19 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
     return ScoreReport(base, base_draft_ms, base_packed_ms, base_speedup, verify_ms,
                        times.ar_ms if times is not None else None, scores, settings,
                        times.to_dict() if times is not None else None)
+
+
+def _layer_score(layer: int, original: int, base: Evaluation, evaluation: Evaluation, pass_ms: tuple[float, float],
+                 times: cost.PassTimes | None, base_speedup: float | None, config: ScoreConfig) -> LayerScore:
+    """The score of `layer` (`original`: its index in the unpruned drafter) from the evaluation of the drafter
+    without it; `pass_ms` = (sync draft, packed) pass times of that drafter in ms."""
+    deltas = [b - r for b, r in zip(base.tau_per_prompt, evaluation.tau_per_prompt)]
+    low, high = bootstrap_interval(deltas, config.bootstrap, config.confidence, config.seed + layer)
+    speedup = evaluation.predicted_speedup(times and times.with_drafter(*pass_ms))
+    delta = base.tau - evaluation.tau
+    score = delta if config.criterion == "tau" else base_speedup - speedup
+    return LayerScore(layer, original, evaluation.tau, evaluation.fallback_rate, delta, low, high, *pass_ms,
+                      speedup, score, evaluation.width, evaluation.packed_share, evaluation.packed_tokens)
 
 
 _WEIGHTS_DIGEST = "_d3d_weights_digest"  # where a module keeps the digest of its weights

@@ -13,10 +13,8 @@ predicted_speedup is the cost model at the tau, verify width and fallback rate m
 with the campaign's pass times, so predicted and measured compare like for like.
 """
 
-from dataclasses import replace
 
 from decode.bench import BenchConfig, run_bench
-from decode.cost import WidthPolicy
 from models.drafter import load_drafter
 
 from .progressive import campaign_times
@@ -31,7 +29,8 @@ def measure_speed(state: dict, out, drafter, target, prompts, decode, source: st
         final = load_drafter(f"{out}/{state['history'][-1]['folder']}", weight.dtype, weight.device)
     drafters = [("base", drafter)] + ([("final", final)] if final is not None else [])
     times = {name: campaign_times(state["timing"], model.config.num_hidden_layers) for name, model in drafters}
-    configs = {name: replace(decode, width_policy=WidthPolicy.from_times(t)) if decode.width_policy and t else decode
+    configs = {name: decode.tuned_to(t, width=decode.width_policy is not None,
+                                     candidates=decode.candidate_policy is not None) if t else decode
                for name, t in times.items()}
     config = BenchConfig(decode=decode, decoders=("ar", "async"))
     report, _ = run_bench(drafters, target, prompts, config, decode_by_drafter=configs,

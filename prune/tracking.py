@@ -1,4 +1,4 @@
-"""W&B tracking: every `prune run`, `prune score` and sweep trial is one W&B run (DESIGN section 7).
+"""W&B tracking: every `prune run`, `prune score` and sweep trial is one W&B run (docs/design.md, Tracking and sweeps).
 
 Mode: `WANDB_MODE` when set (online, offline, disabled); otherwise online when W&B credentials are
 configured (WANDB_API_KEY, an identity token file, or a ~/.netrc entry for the W&B host) and offline

@@ -162,7 +162,10 @@ class BestWeights:
     def __init__(self, checkpoint_dir: Path, resuming: bool):
         import torch
 
+        from models.checkpoint import remove_partials
+
         self.file = Path(checkpoint_dir).with_name(Path(checkpoint_dir).name + ".best.pt")
+        remove_partials(self.file)  # left by a killed save (the caller holds the checkpoint folder's lock)
         self.step, self.score = None, float("-inf")
         if not resuming:
             self.file.unlink(missing_ok=True)  # left by another run: not this run's best
@@ -292,15 +295,18 @@ def replay_tau(examples, count: int, max_new_tokens: int, stop_ids: tuple[int, .
 
 
 def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
-    """Build, train and save the drafter described by `args` (the parsed CLI flags); return the folder."""
-    import shutil
+    """Build, train and save the drafter described by `args` (the parsed CLI flags); return the folder.
 
+    Holds the locks (models.lock) of --out and of the checkpoint folder while it trains: a second run on
+    either fails at once. A run killed at any moment and rerun with the same flags resumes from its last
+    checkpoint (models.training) and saves the same weights as a run never interrupted.
+    """
     import torch
 
     from models.checkpoint import ensure_writable_output
-    from models.drafter import load_drafter, save_drafter
+    from models.drafter import save_drafter
     from models.errors import DataError
-    from models.training import TrainConfig, train
+    from models.lock import output_lock
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -316,6 +322,20 @@ def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
     if not args.out:
         raise DataError("--out is required (the folder the trained drafter is written to)")
     out = ensure_writable_output(args.out, args.overwrite)
+    checkpoint_dir = Path(args.checkpoint_dir or f"{out}-checkpoints")
+    with output_lock(out), output_lock(checkpoint_dir):
+        return _train_and_save(args, out, checkpoint_dir, device, bf16, eval_fn)
+
+
+def _train_and_save(args: argparse.Namespace, out: Path, checkpoint_dir: Path, device, bf16: bool, eval_fn) -> Path:
+    """The body of `train_demo_drafter` once its outputs are locked: build, train, keep the best, save."""
+    import shutil
+
+    import torch
+
+    from models.drafter import load_drafter, save_drafter
+    from models.training import TrainConfig, train
+
     manifests = [read_manifest(folder) for folder in args.data]
     manifest = manifests[0]
     if args.init_from:
@@ -329,7 +349,6 @@ def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
 
     heldout, training = split_examples(args.data, data_weights(args), args.eval_size, args.seed, args.partial_data,
                                        args.eval_data)
-    checkpoint_dir = Path(args.checkpoint_dir or f"{out}-checkpoints")
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
         warmup_steps=args.warmup_steps, blocks_per_sequence=args.blocks_per_sequence, max_length=args.max_length,
@@ -384,7 +403,9 @@ DESCRIPTION = "Train a block-diffusion drafter from scratch on distillation data
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from prune.commands._common import Parser
+
+    parser = Parser(
         prog="python -m prune.train_drafter", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description=DESCRIPTION,
     )
@@ -394,64 +415,76 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `prune train-drafter` (also `python -m prune.train_drafter`)."""
+    from prune.commands import _types as t
+
     d = DEFAULTS
-    p.add_argument("--data", required=True, nargs="+", help="distillation data folder(s) (prune distill output)")
-    p.add_argument("--data-weights", type=int, nargs="+", default=None,
+    p.add_argument("--data", type=t.data_dir, required=True, nargs="+",
+                   help="distillation data folder(s) (prune distill output)")
+    p.add_argument("--data-weights", type=t.positive_int, nargs="+", default=None,
                    help="repeat each --data folder's training sequences this many times (default: 1 each)")
-    p.add_argument("--out", default=None, help="output drafter folder (must not exist, or use --overwrite)")
-    p.add_argument("--target", default=None, help="target model folder (default: the one named in the data manifest)")
-    p.add_argument("--steps", type=int, default=d["steps"], help="optimizer updates")
-    p.add_argument("--batch-size", type=int, default=d["batch_size"], help="sequences per micro-batch")
-    p.add_argument("--grad-accum", type=int, default=d["grad_accum"], help="micro-batches per update")
-    p.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate (AdamW, cosine decay)")
-    p.add_argument("--warmup-steps", type=int, default=d["warmup_steps"], help="linear warmup updates")
-    p.add_argument("--blocks-per-sequence", type=int, default=d["blocks_per_sequence"],
+    p.add_argument("--out", type=t.output_dir, default=None,
+                   help="output drafter folder (must not exist, or use --overwrite)")
+    p.add_argument("--target", type=t.target_path, default=None,
+                   help="target model folder (default: the one named in the data manifest)")
+    p.add_argument("--steps", type=t.positive_int, default=d["steps"], help="optimizer updates")
+    p.add_argument("--batch-size", type=t.positive_int, default=d["batch_size"], help="sequences per micro-batch")
+    p.add_argument("--grad-accum", type=t.positive_int, default=d["grad_accum"], help="micro-batches per update")
+    p.add_argument("--lr", type=t.positive_float, default=d["lr"], help="peak learning rate (AdamW, cosine decay)")
+    p.add_argument("--warmup-steps", type=t.non_negative_int, default=d["warmup_steps"], help="linear warmup updates")
+    p.add_argument("--blocks-per-sequence", type=t.positive_int, default=d["blocks_per_sequence"],
                    help="mask blocks at random anchors per sequence")
-    p.add_argument("--max-length", type=int, default=d["max_length"], help="crop sequences to this many tokens")
-    p.add_argument("--gamma", type=float, default=d["gamma"], help="slot weight decay w_i = exp(-(i-1)/gamma)")
-    p.add_argument("--ar-weight", type=float, default=d["ar_weight"], help="lambda, weight of the AR loss")
-    p.add_argument("--seed", type=int, default=d["seed"], help="seeds weights, data split, batches and anchors")
-    p.add_argument("--layers", type=int, default=d["layers"], help="decoder layers")
-    p.add_argument("--hidden-size", type=int, default=d["hidden_size"], help="model width")
-    p.add_argument("--intermediate-size", type=int, default=d["intermediate_size"], help="MLP width")
-    p.add_argument("--heads", type=int, default=d["heads"], help="attention heads")
-    p.add_argument("--kv-heads", type=int, default=d["kv_heads"], help="key/value heads")
-    p.add_argument("--head-dim", type=int, default=d["head_dim"], help="width of one head")
-    p.add_argument("--block-size", type=int, default=d["block_size"], help="B, mask slots per block")
+    p.add_argument("--max-length", type=t.positive_int, default=d["max_length"],
+                   help="crop sequences to this many tokens")
+    p.add_argument("--gamma", type=t.positive_float, default=d["gamma"],
+                   help="slot weight decay w_i = exp(-(i-1)/gamma)")
+    p.add_argument("--ar-weight", type=t.non_negative_float, default=d["ar_weight"],
+                   help="lambda, weight of the AR loss")
+    p.add_argument("--seed", type=t.non_negative_int, default=d["seed"],
+                   help="seeds weights, data split, batches and anchors")
+    p.add_argument("--layers", type=t.positive_int, default=d["layers"], help="decoder layers")
+    p.add_argument("--hidden-size", type=t.positive_int, default=d["hidden_size"], help="model width")
+    p.add_argument("--intermediate-size", type=t.positive_int, default=d["intermediate_size"], help="MLP width")
+    p.add_argument("--heads", type=t.positive_int, default=d["heads"], help="attention heads")
+    p.add_argument("--kv-heads", type=t.positive_int, default=d["kv_heads"], help="key/value heads")
+    p.add_argument("--head-dim", type=t.positive_int, default=d["head_dim"], help="width of one head")
+    p.add_argument("--block-size", type=t.block_size, default=d["block_size"], help="B, mask slots per block")
     p.add_argument("--init", choices=("slice", "pca", "random"), default="slice",
                    help="slice: start every layer from the target (one rotation of its residual stream, one key/value "
                    "group, the strongest MLP neurons; models.transplant); pca: only the embedding from the target's "
                    "(PCA projection); random: nothing from the target")
-    p.add_argument("--calibration-sequences", type=int, default=48,
+    p.add_argument("--calibration-sequences", type=t.positive_int, default=48,
                    help="--init slice: data sequences whose target activations choose the rotation, heads and neurons")
-    p.add_argument("--init-from", default=None,
+    p.add_argument("--init-from", type=t.drafter_dir, default=None,
                    help="start from this drafter folder instead of building one (sizes and --init ignored)")
-    p.add_argument("--save-initial", default=None,
+    p.add_argument("--save-initial", type=t.output_dir, default=None,
                    help="only build the initial drafter (with its embedding init) and save it here, then exit")
-    p.add_argument("--eval-tau", type=int, default=0,
+    p.add_argument("--eval-tau", type=t.non_negative_int, default=0,
                    help="also measure real tau (async decoder, replayed trajectories) on this many held-out "
                    "sequences at every evaluation (0: off)")
     p.add_argument("--partial-data", action="store_true",
                    help="train on the finished shards of a distillation run that is still going")
-    p.add_argument("--max-seconds", type=float, default=0.0,
+    p.add_argument("--max-seconds", type=t.non_negative_float, default=0.0,
                    help="stop training once this call has run this long (0: no limit)")
-    p.add_argument("--max-mb", type=float, default=60.0, help="refuse drafters larger than this in bfloat16")
-    p.add_argument("--eval-size", type=int, default=d["eval_size"], help="held-out sequences for evaluation")
-    p.add_argument("--eval-data", default=None,
+    p.add_argument("--max-mb", type=t.positive_float, default=60.0, help="refuse drafters larger than this in bfloat16")
+    p.add_argument("--eval-size", type=t.non_negative_int, default=d["eval_size"],
+                   help="held-out sequences for evaluation")
+    p.add_argument("--eval-data", type=t.data_dir, default=None,
                    help="draw the held-out sequences from this distillation folder instead of from --data (any "
                    "training sequence equal to one is dropped); e.g. fresh data when continuing a drafter")
     p.add_argument("--keep-best", action="store_true",
                    help="save the weights of the evaluation with the best held-out accept proxy, not the last")
-    p.add_argument("--eval-every", type=int, default=d["eval_every"], help="evaluate every N updates (0: at the end)")
-    p.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"],
+    p.add_argument("--eval-every", type=t.non_negative_int, default=d["eval_every"],
+                   help="evaluate every N updates (0: at the end)")
+    p.add_argument("--checkpoint-every", type=t.non_negative_int, default=d["checkpoint_every"],
                    help="checkpoint every N updates (0: at the end)")
-    p.add_argument("--checkpoint-dir", default=None, help="checkpoint folder (default: OUT-checkpoints); "
+    p.add_argument("--checkpoint-dir", type=t.output_dir, default=None,
+                   help="checkpoint folder (default: OUT-checkpoints); "
                    "an interrupted run with the same flags resumes from it")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep the checkpoint folder after saving")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--device", type=t.device_or_auto, default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bfloat16 autocast (default: on for CUDA, off for CPU)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--threads", type=t.non_negative_int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 

@@ -5,7 +5,7 @@ trial's, unique in the study), then measures the final drafter on the sweep's *e
 fixed set shared by every trial: the calibration size is itself searched, so calibration tau is not a
 fair yardstick between trials.
 
-Modes (DESIGN section 7):
+Modes (docs/design.md, Tracking and sweeps):
 - single-objective (`directions=("maximize",)`): maximize the predicted speedup of the final drafter on
   the evaluation prompts, subject to eval retention >= `retention_floor` (an Optuna constraint: samplers
   and `best_trial` prefer feasible trials). Every campaign also refuses steps below the floor on its
@@ -22,7 +22,11 @@ Predicted speedups and packed-pass costs come from one timing (decode.cost) of t
 measured by the study's first trial and stored in the study's user attributes (`timing/packed_budget=N`):
 trials compare what they pruned, not how busy the machine was while each one measured.
 
-Each trial's user attributes hold where its checkpoint is and what it measured (TRIAL_ATTRS).
+Each trial's user attributes hold where its checkpoint is and what it measured (TRIAL_ATTRS). They are
+set only once the campaign has returned and its last export has been checked whole (`exported_checkpoint`),
+so a worker killed while a trial exports leaves that trial without a checkpoint: RUNNING until the
+heartbeats of another worker mark it FAIL and queue its retry (sweeps/study.py), which runs in a folder of
+its own (trial numbers are unique).
 """
 
 import os
@@ -129,12 +133,17 @@ def campaign_config(values: dict, config: SweepConfig):
     return run, values.get("calibration_prompts")
 
 
+def check_layer_budget(space: SearchSpace, layers: int) -> None:
+    """Refuse a space whose layers_to_remove or per_step would leave a drafter of `layers` layers none."""
+    for setting in ("layers_to_remove", "per_step"):
+        if space.largest(setting, 1) > layers - 1:
+            raise ConfigError(f"search space {space.source}: {setting} reaches {space.largest(setting, 1)} but the "
+                              f"drafter has {layers} layers (at least one must remain); lower it in --space")
+
+
 def check_space(space: SearchSpace, data: SweepData) -> SearchSpace:
     """Refuse a space that cannot run on this pair and these prompts; drop healing without heal data."""
-    layers = data.drafter.config.num_hidden_layers
-    if space.largest("layers_to_remove", 1) > layers - 1:
-        raise ConfigError(f"search space {space.source}: layers_to_remove reaches "
-                          f"{space.largest('layers_to_remove', 1)} but the drafter has {layers} layers")
+    check_layer_budget(space, data.drafter.config.num_hidden_layers)
     wanted = space.largest("calibration_prompts", len(data.calibration))
     if wanted > len(data.calibration):
         raise ConfigError(f"search space {space.source}: calibration_prompts reaches {wanted} but only "
@@ -142,6 +151,19 @@ def check_space(space: SearchSpace, data: SweepData) -> SearchSpace:
     if not data.heal_examples:
         space = space.without(HEAL_NAMES)
     return space
+
+
+def exported_checkpoint(out: Path, folder: str) -> str:
+    """OUT/final as a trial records it, once checked to be the complete export of step `folder`: the link
+    points at it and every file hashes as its report lists (prune.export.verify_export)."""
+    from prune.export import REPORT_NAME, verify_export
+
+    final = out / "final"
+    complete = final.resolve() == (out / folder).resolve() and (final / REPORT_NAME).is_file()
+    if not complete or verify_export(final):
+        raise CheckpointError(f"{final} is not the complete export of {out / folder}; the trial records no "
+                              "checkpoint (rerun it)")
+    return str(out.resolve() / "final")
 
 
 class PruningObjective:
@@ -277,7 +299,7 @@ class PruningObjective:
             drafter = load_drafter(out / last["folder"])
             final = evaluate(drafter, self.data.evaluation, self.config.score, self.data.evaluation_trajectories,
                              self.data.target)
-            checkpoint, layers = str(out.resolve() / "final"), last["layers"]
+            checkpoint, layers = exported_checkpoint(out, last["folder"]), last["layers"]
             del drafter
         speedup = predicted_speedup_at(final, layers, timing)
         packed_ms = packed_ms_at(timing, layers)

@@ -104,3 +104,52 @@ def trained_drafter(block_size: int = 8, steps: int = 150, seed: int = 0, target
                          max_length=64, seed=seed, progress=False)
     train(drafter, examples, config)
     return target, drafter.eval()
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def byte_level_tokenizer():
+    """A byte-level BPE tokenizer of exactly TINY_REAL_VOCAB ids with a ChatML template and EOS id 3.
+
+    Its alphabet holds ASCII letters, digits, punctuation and the bytes of "é" (merged into one token) and
+    "€" (three tokens, never merged), so decoded ids can end inside a character as real byte-level
+    tokenizers' do; the rest of the ids are merges of a space or a letter with a letter.
+    """
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    text = string.ascii_lowercase + string.digits + " \n.,:!?'-()é€"
+    alphabet = sorted({char for piece, _ in byte_level.pre_tokenize_str(text) for char in piece})
+    vocab = {token: index for index, token in enumerate(specials + alphabet)}
+    e_acute = byte_level.pre_tokenize_str("é")[0][0]
+    merges = [(e_acute[0], e_acute[1])]
+    pairs = [(first, second) for first in "Ġtaeoinsrh" for second in "theainorsdlu"]
+    for first, second in pairs:
+        if len(vocab) + len(merges) >= TINY_REAL_VOCAB:
+            break
+        merges.append((first, second))
+    for first, second in merges:
+        vocab[first + second] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    core.pre_tokenizer = byte_level
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<|pad|>",
+                                        eos_token="<|im_end|>", additional_special_tokens=specials[2:3])
+    tokenizer.chat_template = CHATML
+    assert len(tokenizer) == TINY_REAL_VOCAB and tokenizer.eos_token_id == 3
+    return tokenizer
+
+
+def save_chat_pair(root, drafter_layers: int = 2, block_size: int = 4):
+    """`save_tiny_pair` with `byte_level_tokenizer()` saved beside both models (text prompts, chat template)."""
+    save_tiny_pair(root, drafter_layers, block_size)
+    tokenizer = byte_level_tokenizer()
+    for folder in ("target", "drafter"):
+        tokenizer.save_pretrained(str(root / folder))
+    return root

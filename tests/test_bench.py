@@ -19,10 +19,11 @@ def test_generate_baselines_match_ar_under_our_stop_rule():
     stop = free[12]
     configs = (DecodeConfig(max_new_tokens=30), DecodeConfig(max_new_tokens=30, stop_ids=(stop,)),
                DecodeConfig(max_new_tokens=5), DecodeConfig(max_new_tokens=1))
+    options = BaselineConfig(pld_tokens=4, assistant_model=tiny_target(seed=2, layers=1, hidden=24))
     for config in configs:
         ar = decode_ar(target, prompt, config)
         for name, baseline in BASELINES.items():
-            result = baseline(target, prompt, config, BaselineConfig(pld_tokens=4))
+            result = baseline(target, prompt, config, options)
             assert result.decoder == name and result.output_ids == ar.output_ids, (name, config)
             assert result.rounds == [] and result.prompt_len == len(prompt)
             assert result.prefill_s > 0 and result.decode_s >= 0
@@ -34,8 +35,11 @@ def test_decoder_selection():
     assert select_decoders(["all"], temperature=0.5) == DECODERS  # greedy baselines left out
     assert select_decoders(["all"], verify="replay") == DECODERS
     assert select_decoders(["generate", "ar", "pld"]) == ("ar", "pld", "generate")
-    with pytest.raises(ConfigError, match="choose from ar, sync, async, pld, generate or all"):
+    assert select_decoders(["all"], assistant=True) == ("ar", "sync", "async", "pld", "generate", "assisted")
+    with pytest.raises(ConfigError, match="choose from ar, sync, async, pld, generate, assisted or all"):
         select_decoders(["ar", "fast"])
+    with pytest.raises(ConfigError, match="--assistant"):
+        BenchConfig(DecodeConfig(), decoders=("ar", "assisted")).validate()
     with pytest.raises(ConfigError, match="greedy"):
         BenchConfig(DecodeConfig(temperature=0.5), decoders=("ar", "generate")).validate()
 

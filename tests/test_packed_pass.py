@@ -1,4 +1,4 @@
-"""The packed drafter pass against independent forwards (DESIGN sections 3, 4 and 9).
+"""The packed drafter pass against independent forwards (docs/design.md: Masks, Decoders, Layer surgery).
 
 A mask leak in the packed pass does not break decoding exactness, so the only way to catch one is to
 compare every packed candidate with a forward of that candidate alone. The references here never use

@@ -1,4 +1,4 @@
-"""Built-in prompt suites (DESIGN section 8): counts, a stable calib/eval split, clear errors, and the
+"""Built-in prompt suites (docs/design.md, The demo pair and the suites): counts, a stable calib/eval split, clear errors, and the
 wheel-member helper they are read through.
 
 The suite tests read the pinned data files from installed packages or the user cache and never

@@ -1,4 +1,4 @@
-"""Layer surgery (models.surgery.remove_layers) and the export of a pruned drafter (DESIGN sections 6, 9)."""
+"""Layer surgery (models.surgery.remove_layers) and the export of a pruned drafter (docs/design.md, Layer surgery)."""
 
 import json
 import re

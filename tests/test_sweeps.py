@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 from _pairs import prompt_ids, save_tiny_pair, trained_drafter
 from decode.decoders import DecodeConfig
 from models.drafter import save_drafter
-from models.errors import ConfigError
+from models.errors import CheckpointError, ConfigError
 from models.objective import Example
 from prune.cli import main
 from prune.heal import HealConfig
@@ -186,6 +186,55 @@ def test_a_killed_workers_trial_is_failed_and_retried(sweep_data, tmp_path):
     assert len(retries) == 1 and retries[0].params == victim.params
     assert retries[0].state in (TrialState.COMPLETE, TrialState.PRUNED)
     assert sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials.values()) == 2
+
+
+def _killed_while_exporting(url, out):
+    """A sweep worker (forked) killed by SIGKILL in the middle of its trial's first step export: the weights
+    are in the export's temporary folder, its report is not."""
+    import prune.export
+
+    def die(*_, **__):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    prune.export.folder_hashes = die  # patched in this child process only
+    _worker(url, 1, out, heartbeat=1, grace=2)
+
+
+def test_a_worker_killed_while_exporting_records_no_checkpoint(sweep_data, tmp_path):
+    from prune.export import verify_export
+    from sweeps.objective import exported_checkpoint
+
+    url = f"sqlite:///{tmp_path}/study.db"
+    doomed = FORK.Process(target=_killed_while_exporting, args=(url, str(tmp_path / "doomed")))
+    doomed.start()
+    doomed.join(timeout=300)
+    assert doomed.exitcode == -signal.SIGKILL
+    trial_dir = tmp_path / "doomed" / "trial-0000"
+    # Killed mid-export: the step's temporary folder is left behind, the step itself never appeared.
+    assert not (trial_dir / "step-01").exists() and any(".partial" in p.name for p in trial_dir.iterdir())
+    storage = make_storage(url, 1, 2)
+    (victim,) = optuna.load_study(study_name="s", storage=storage).get_trials()
+    assert victim.state == TrialState.RUNNING and "checkpoint" not in victim.user_attrs
+
+    objective = objective_for(tmp_path / "later")
+    study, storage = study_for(url, objective, heartbeat=1, grace=2)
+    run_worker(study, storage, objective, 1, poll=0.2, log=lambda *_: None)
+    trials = study.get_trials()
+    assert trials[0].state == TrialState.FAIL and "checkpoint" not in trials[0].user_attrs
+    (retry,) = [t for t in trials if t.system_attrs.get("failed_trial") == victim.number]
+    assert retry.state in (TrialState.COMPLETE, TrialState.PRUNED) and retry.params == victim.params
+    for trial in trials:  # every checkpoint the study records is a whole export
+        if "checkpoint" in trial.user_attrs:
+            assert verify_export(trial.user_attrs["checkpoint"]) == []
+    assert summarize(study)["best"]["checkpoint"] == retry.user_attrs["checkpoint"]
+    # A step whose files no longer hash as its report lists is not recorded either.
+    out = Path(retry.user_attrs["trial_dir"])
+    folder = os.readlink(out / "final")
+    with open(out / folder / "model.safetensors", "r+b") as handle:
+        handle.seek(-4, os.SEEK_END)
+        handle.write(b"\0\0\0\1")
+    with pytest.raises(CheckpointError, match="not the complete export"):
+        exported_checkpoint(out, folder)
 
 
 def test_a_pruned_trial_stops_after_its_first_step(sweep_data, tmp_path):

@@ -4,6 +4,7 @@ greedy baselines) on a prompt set, for one drafter or several side by side."""
 import argparse
 import json
 
+from . import _types
 from ._common import (
     add_command,
     add_debug,
@@ -11,8 +12,10 @@ from ._common import (
     add_model_args,
     decode_config,
     add_prompt_args,
+    drafter_path,
     load_pair_and_prompts,
     model_paths,
+    output_file,
     resolve_device,
     show_progress,
     stdout_console,
@@ -26,6 +29,7 @@ examples:
   prune bench --drafter DRAFTER --target TARGET --prompts prompts.jsonl --limit 10
   prune bench --drafter D1 --drafter D2 --target TARGET --prompts p.jsonl     (two drafters, one ar run)
   prune bench --drafter DRAFTER --target TARGET --prompts p.jsonl --decoder ar,async,pld
+  prune bench --drafter DRAFTER --target TARGET --prompts p.jsonl --assistant SMALL_MODEL   (adds assisted)
   prune bench --drafter DRAFTER --target TARGET --prompts p.jsonl --decoder async --verify replay --json -
   prune bench --suite champ:eval --decoder async --verify replay --replay-batch 16   (a whole part's tau)
   prune bench --suite champ:eval --decoder ar --save-outputs ar.jsonl          (the target once, then per drafter:)
@@ -40,35 +44,44 @@ def add_parser(subparsers) -> None:
         help="measure acceptance length and speedup of ar, sync and async decoding",
         description="Measure acceptance length (tau), time per token, speedup vs ar and exactness of the "
         "ar, sync and async decoders of one or several drafters, and of transformers' greedy generate() "
-        "with and without prompt lookup, on the same prompts, after a warm-up." + EXAMPLES,
+        "with and without prompt lookup (and with an assistant model), on the same prompts, after a warm-up."
+        + EXAMPLES,
     )
     add_model_args(parser, several_drafters=True)
     add_prompt_args(parser)
     parser.add_argument("--decoder", default="all", type=decoder_names, metavar="NAME[,NAME...]",
                         help="decoders to measure, comma-separated: ar, sync, async, pld (transformers' prompt "
-                        "lookup), generate (transformers' greedy generate()) or all; ar always runs as the "
-                        "baseline; all leaves out pld and generate at --temperature > 0 and with --verify replay")
-    parser.add_argument("--pld-tokens", type=int, default=10, metavar="N",
+                        "lookup), generate (transformers' greedy generate()), assisted (transformers' assisted "
+                        "generation with --assistant) or all; ar always runs as the baseline; all leaves out the "
+                        "transformers rows at --temperature > 0 and with --verify replay, and assisted without "
+                        "--assistant")
+    parser.add_argument("--pld-tokens", type=_types.positive_int, default=10, metavar="N",
                         help="pld: tokens proposed per prompt lookup (transformers' prompt_lookup_num_tokens)")
-    parser.add_argument("--block-size", type=int, default=None,
+    parser.add_argument("--assistant", default=None, metavar="MODEL", type=_types.model_path,
+                        help="assisted: a small causal LM folder or .gguf file with the target's tokenizer, the "
+                        "draft model of transformers' assisted generation (default: none, no assisted row)")
+    parser.add_argument("--block-size", type=_types.block_size, default=None,
                         help="most tokens verified per round (default: the drafter's block_size)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = speculative sampling")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--temperature", type=_types.non_negative_float, default=0.0,
+                        help="0 = greedy; > 0 = speculative sampling")
+    parser.add_argument("--seed", type=_types.non_negative_int, default=0, help="sampling seed")
     parser.add_argument("--verify", choices=("live", "replay"), default="live",
                         help="live: run the target; replay: answer sync and async verification from the ar trajectory "
                         "(greedy only)")
-    parser.add_argument("--replay-batch", type=int, default=1, metavar="N",
+    parser.add_argument("--replay-batch", type=_types.positive_int, default=1, metavar="N",
                         help="with --verify replay: decode N prompts in lockstep (tau and exactness as one at a "
                         "time, in a fraction of the time; per-prompt times are then null)")
-    parser.add_argument("--ar-outputs", metavar="FILE.jsonl", default=None,
+    parser.add_argument("--ar-outputs", metavar="FILE.jsonl", default=None, type=_types.text_file,
                         help="with --verify replay: take the target's outputs from the ar lines of a --save-outputs "
                         "file of the same target, prompts and --max-new-tokens instead of decoding them")
     add_decode_args(parser)
-    parser.add_argument("--fan-out", type=int, default=3, help="async: most bonus guesses per outcome")
+    parser.add_argument("--fan-out", type=_types.non_negative_int, default=3,
+                        help="async: most bonus guesses per outcome")
     parser.add_argument("--sequential", action="store_true",
                         help="async: run the verify and packed passes one after the other (debugging)")
-    parser.add_argument("--json", metavar="OUT", default=None, help="write the JSON report to OUT ('-' = stdout)")
-    parser.add_argument("--save-outputs", metavar="OUT.jsonl", default=None,
+    parser.add_argument("--json", metavar="OUT", default=None, type=_types.output_file,
+                        help="write the JSON report to OUT ('-' = stdout)")
+    parser.add_argument("--save-outputs", metavar="OUT.jsonl", default=None, type=_types.output_file,
                         help="write one JSON line per prompt and decoder with the output ids (and text; the "
                         "drafter for sync and async)")
     add_debug(parser)
@@ -92,6 +105,7 @@ def run(args) -> int:
     from decode.baselines import BaselineConfig
     from decode.bench import SPECULATIVE, BenchConfig, run_bench, select_decoders
 
+    check_block_size(args)
     pair, prompts, drafters, target_path, source = load_models_and_prompts(args)
     fields = dict(max_new_tokens=args.max_new_tokens, block_size=args.block_size, temperature=args.temperature,
                   seed=args.seed, fan_out=args.fan_out, concurrent=not args.sequential)
@@ -101,16 +115,18 @@ def run(args) -> int:
     for name, drafter in drafters[1:]:
         per_drafter[name] = decode_config(args, pair, drafter, target_times=target_times, **fields)
     decode = per_drafter[first_name][0]
-    decoders = select_decoders(args.decoder, args.temperature, args.verify)
+    decoders = select_decoders(args.decoder, args.temperature, args.verify, assistant=args.assistant is not None)
+    assistant = load_assistant(args.assistant, pair) if args.assistant else None
     config = BenchConfig(decode=decode, decoders=decoders, verify=args.verify, replay_batch=args.replay_batch,
-                         baselines=BaselineConfig(pld_tokens=args.pld_tokens))
+                         baselines=BaselineConfig(pld_tokens=args.pld_tokens, assistant=args.assistant,
+                                                  assistant_model=assistant))
     config.validate()
 
     from prune.progress import progress_bar
 
     ar_outputs = read_ar_outputs(args.ar_outputs, prompts) if args.ar_outputs else None
     speculative = sum(d in SPECULATIVE for d in decoders)  # rows run once per drafter
-    rows = len(decoders) - speculative + len(drafters) * speculative
+    rows = len(decoders) - speculative + len(drafters) * speculative + ("ar" not in decoders)  # ar always runs
     with progress_bar("bench", len(prompts) * rows, enabled=show_progress(args.json)) as advance:
         report, outputs = run_bench(drafters, pair.target, prompts, config, on_result=lambda *_: advance(),
                                     ar_outputs=ar_outputs,
@@ -124,6 +140,16 @@ def run(args) -> int:
     if args.json != "-":
         print_table(report)
     return 0
+
+
+def check_block_size(args) -> None:
+    """--block-size against every drafter's block_size, from their config.json, before any model loads."""
+    from decode.decoders import DecodeConfig
+    from models.checkpoint import read_config_json
+
+    if args.block_size is not None:
+        for folder in args.drafter or [drafter_path(args)]:
+            DecodeConfig(block_size=args.block_size).verify_block(read_config_json(folder)["block_size"])
 
 
 def load_models_and_prompts(args):
@@ -158,6 +184,15 @@ def load_models_and_prompts(args):
     return pair, prompts, drafters, target_path, source
 
 
+def load_assistant(path: str, pair):
+    """The --assistant model on the target's device and dtype, checked against the target before it loads."""
+    from models.target import check_assistant, load_target, load_tokenizer, target_config_of
+
+    check_assistant(target_config_of(path), pair.target.config, load_tokenizer(path), pair.tokenizer)
+    weight = next(pair.target.parameters())
+    return load_target(path, weight.dtype, weight.device)
+
+
 def read_ar_outputs(path: str, prompts) -> list[list[int]]:
     """The ar output ids per prompt (by id) from a file written by --save-outputs."""
     from models.errors import DataError
@@ -181,7 +216,7 @@ def read_ar_outputs(path: str, prompts) -> list[list[int]]:
 
 def _save_outputs(path: str, prompts, outputs: dict, tokenizer) -> None:
     """One line per prompt and row: id, decoder, drafter (speculative rows only), output ids, text."""
-    with open(path, "w") as handle:
+    with output_file(path) as handle:
         for (drafter, decoder), results in outputs.items():
             for prompt, result in zip(prompts, results):
                 line = {"id": prompt.id, "decoder": decoder, "output_ids": result.output_ids}

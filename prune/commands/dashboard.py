@@ -2,6 +2,7 @@
 
 import json
 
+from . import _types
 from ._common import add_command, add_debug
 
 EXAMPLES = """
@@ -21,9 +22,12 @@ def add_parser(subparsers) -> None:
         "coordinates and the Pareto scatter (eval retention vs layers left). It reads the metric names that "
         "prune run, prune score and prune sweep log. Saving needs a logged-in W&B (`wandb login`)." + EXAMPLES,
     )
-    parser.add_argument("--entity", default=None, help="W&B entity (user or team); needed unless --print")
-    parser.add_argument("--project", default=None, help="W&B project holding the runs; needed unless --print")
-    parser.add_argument("--name", default=None, help="workspace name (default: 'd3d-prune: pruning and sweeps')")
+    parser.add_argument("--entity", default=None, type=_types.name,
+                        help="W&B entity (user or team); needed unless --print")
+    parser.add_argument("--project", default=None, type=_types.name,
+                        help="W&B project holding the runs; needed unless --print")
+    parser.add_argument("--name", default=None, type=_types.name,
+                        help="workspace name (default: 'd3d-prune: pruning and sweeps')")
     parser.add_argument("--print", action="store_true",
                         help="print the panels as JSON instead of saving (offline; --entity/--project optional)")
     add_debug(parser)

@@ -2,6 +2,7 @@
 
 from prune.distill import STYLES
 
+from . import _types
 from ._common import DTYPES, add_command, add_debug
 
 
@@ -16,16 +17,21 @@ def add_parser(subparsers) -> None:
         "command resumes after the last finished shard.\n\nexample:\n  prune distill --out data/distill "
         "--num-prompts 2000 --dtype bfloat16",
     )
-    parser.add_argument("--out", required=True, help="output data folder (resumed when it holds a run of the same settings)")
-    parser.add_argument("--target", default=None, help="target model folder (default: the demo target)")
-    parser.add_argument("--cache-dir", default=None, help="demo target cache (default: $D3D_PRUNE_CACHE or ~/.cache/d3d-prune)")
-    parser.add_argument("--num-prompts", type=int, default=2000, help="training prompts to answer")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="response length cap (EOS ends earlier)")
-    parser.add_argument("--batch-size", type=int, default=16, help="prompts per generate call")
-    parser.add_argument("--shard-size", type=int, default=64, help="prompts per shard (the unit of resumption)")
-    parser.add_argument("--device", default="cpu", help="torch device")
+    parser.add_argument("--out", required=True, type=_types.output_dir,
+                        help="output data folder (resumed when it holds a run of the same settings)")
+    parser.add_argument("--target", default=None, type=_types.target_path,
+                        help="target model folder (default: the demo target)")
+    parser.add_argument("--cache-dir", default=None, type=_types.output_dir,
+                        help="demo target cache (default: $D3D_PRUNE_CACHE or ~/.cache/d3d-prune)")
+    parser.add_argument("--num-prompts", type=_types.positive_int, default=2000, help="training prompts to answer")
+    parser.add_argument("--max-new-tokens", type=_types.positive_int, default=128,
+                        help="response length cap (EOS ends earlier)")
+    parser.add_argument("--batch-size", type=_types.positive_int, default=16, help="prompts per generate call")
+    parser.add_argument("--shard-size", type=_types.positive_int, default=64,
+                        help="prompts per shard (the unit of resumption)")
+    parser.add_argument("--device", default="cpu", type=_types.device, help="torch device")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="target dtype while generating")
-    parser.add_argument("--seed", type=int, default=0, help="selects the prompts")
+    parser.add_argument("--seed", type=_types.non_negative_int, default=0, help="selects the prompts")
     parser.add_argument("--style", choices=STYLES, default="general",
                         help="general: varied tasks on standard-library code and arithmetic; suites: the suites' own "
                         "instructions around standard-library function signatures and synthetic competition problems; calib: the "
@@ -41,9 +47,10 @@ def run(args) -> int:
     from models.demo import resolve_demo_target
     from prune.distill import generate_distillation_data
 
-    from ._common import quiet_libraries
+    from ._common import quiet_libraries, resolve_device
 
     quiet_libraries()
+    resolve_device(args.device)  # a device this machine lacks fails before the target loads
     target = args.target or resolve_demo_target(args.cache_dir)
     out = generate_distillation_data(
         target, args.out, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,

@@ -1,5 +1,6 @@
 """`prune export`: re-export a pruning step (or any drafter folder), by default in the dtype it is stored in."""
 
+from . import _types
 from ._common import DTYPES, add_command, add_debug
 
 
@@ -13,8 +14,10 @@ def add_parser(subparsers) -> None:
         "config, model card (naming the dtype) and pruning report (with fresh file hashes)."
         "\n\nexample:\n  prune export pruned/final pruned-bf16 --dtype bfloat16",
     )
-    parser.add_argument("source", help="drafter folder to export (a `prune run` step or any drafter)")
-    parser.add_argument("destination", help="new folder (must not exist or be empty unless --overwrite)")
+    parser.add_argument("source", type=_types.drafter_dir,
+                        help="drafter folder to export (a `prune run` step or any drafter)")
+    parser.add_argument("destination", type=_types.output_dir,
+                        help="new folder (must not exist or be empty unless --overwrite)")
     parser.add_argument("--dtype", choices=("source", *DTYPES), default="source",
                         help="dtype of the exported weights; source: the dtype SOURCE's weights are stored in")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
@@ -26,12 +29,14 @@ def run(args) -> int:
     import json
     from pathlib import Path
 
+    from models.checkpoint import ensure_writable_output
     from models.drafter import load_drafter
     from prune.export import REPORT_NAME, export_step, resolve_export_dtype
 
     from ._common import quiet_libraries
 
     quiet_libraries()
+    ensure_writable_output(args.destination, args.overwrite)  # before the weights load
     source = Path(args.source).resolve()
     model = load_drafter(source)
     report_file = source / REPORT_NAME

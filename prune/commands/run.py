@@ -4,6 +4,7 @@ import argparse
 import functools
 import sys
 
+from . import _types
 from ._common import (
     add_command,
     add_debug,
@@ -14,6 +15,7 @@ from ._common import (
     add_prompt_args,
     add_tracking_args,
     decode_config,
+    drafter_layers,
     heal_examples,
     load_pair_and_prompts,
     make_tracker,
@@ -43,45 +45,59 @@ def add_parser(subparsers) -> None:
     )
     add_model_args(parser)
     add_prompt_args(parser, default_suite="humaneval:calib", max_new_tokens=64, limit=16)
-    parser.add_argument("--out", required=True, help="output folder (must be empty unless --resume)")
-    parser.add_argument("--resume", action="store_true", help="continue the run in OUT after its last completed step")
-    parser.add_argument("--layers-to-remove", type=int, default=None, help="stop after removing this many layers")
-    parser.add_argument("--min-retention", type=float, default=0.99,
+    parser.add_argument("--out", required=True, type=_types.output_dir,
+                        help="output folder (must be empty unless --resume)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in OUT where it was interrupted (starts one when OUT holds none)")
+    parser.add_argument("--layers-to-remove", type=_types.positive_int, default=None,
+                        help="stop after removing this many layers (default: no budget; the other stop "
+                        "rules end the run)")
+    parser.add_argument("--min-retention", type=_types.positive_fraction, default=0.99,
                         help="never take a step below this fraction of the unpruned calibration tau")
-    parser.add_argument("--per-step", type=int, default=1, help="layers removed per step")
+    parser.add_argument("--per-step", type=_types.positive_int, default=1, help="layers removed per step")
     parser.add_argument("--no-speedup-stop", action="store_true",
                         help="do not stop when predicted speedup stops improving")
     parser.add_argument("--criterion", choices=("tau", "speedup"), default="tau", help="layer scoring criterion")
     parser.add_argument("--verify", choices=("replay", "live"), default="replay", help="verification in scoring")
     add_decode_args(parser)
     add_heal_data_arg(parser)
-    parser.add_argument("--heal-steps", type=int, default=40, help="LoRA updates per heal (0: no healing)")
-    parser.add_argument("--lora-rank", type=int, default=8, help="LoRA rank")
-    parser.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha (scale = alpha / rank)")
-    parser.add_argument("--heal-lr", type=float, default=5e-4, help="LoRA learning rate")
-    parser.add_argument("--seed", type=int, default=0, help="seeds healing and the bootstrap")
+    parser.add_argument("--heal-steps", type=_types.non_negative_int, default=40,
+                        help="LoRA updates per heal (0: no healing)")
+    parser.add_argument("--lora-rank", type=_types.positive_int, default=8, help="LoRA rank")
+    parser.add_argument("--lora-alpha", type=_types.positive_int, default=16, help="LoRA alpha (scale = alpha / rank)")
+    parser.add_argument("--heal-lr", type=_types.positive_float, default=5e-4, help="LoRA learning rate")
+    parser.add_argument("--seed", type=_types.non_negative_int, default=0, help="seeds healing and the bootstrap")
     add_export_dtype_arg(parser)
     parser.add_argument("--speed-suite", default="humaneval:eval", metavar="NAME[:calib|:eval] | FILE.jsonl",
+                        type=_types.suite_or_prompt_file,
                         help="held-out prompts of the measured speed check at the end (a built-in suite or a JSONL "
                         "prompt file): the unpruned and the final drafter against the target alone (live, async, "
                         "interleaved); skipped when the prompts are text and the pair has no tokenizer")
-    parser.add_argument("--speed-prompts", type=int, default=4, metavar="N",
+    parser.add_argument("--speed-prompts", type=_types.non_negative_int, default=4, metavar="N",
                         help="prompts of the speed check (0: skip it; --max-new-tokens tokens each)")
-    parser.add_argument("--json", metavar="OUT", default=None, help="write the final state as JSON ('-' = stdout)")
+    parser.add_argument("--json", metavar="OUT", default=None, type=_types.output_file,
+                        help="write the final state as JSON ('-' = stdout)")
     add_tracking_args(parser)
     add_debug(parser)
     parser.set_defaults(run=run)
 
 
 def run(args) -> int:
+    """`prune run`, holding the lock of --out (models.lock): a second run on the same folder fails at once."""
+    from models.lock import output_lock
+
+    with output_lock(args.out):
+        return _run(args)
+
+
+def _run(args) -> int:
     from models._wheels import resolve_cache_dir
     from prune.heal import HealConfig
     from prune.progress import progress_bar
-    from prune.progressive import RunConfig, check_resumable, config_record, measure_timing, run_pruning
+    from prune.progressive import RunConfig, config_record, has_run, measure_timing, run_pruning
     from prune.scoring import ScoreConfig, cached_trajectories, fingerprint
 
-    if args.resume:
-        check_resumable(args.out)
+    check_layer_budget(args)
     pair, tokenized, drafter_dir, target_path, source = load_pair_and_prompts(args)
     prompts = [p.input_ids for p in tokenized]
     decode, times = decode_config(args, pair, max_new_tokens=args.max_new_tokens)
@@ -105,7 +121,8 @@ def run(args) -> int:
         state = run_pruning(pair.drafter, drafter_dir, prompts, args.out, config, target=pair.target,
                             trajectories=trajectories, heal_examples=examples, resume=args.resume,
                             export_dtype=args.export_dtype,
-                            timing=None if args.resume else measure_timing(pair.drafter, config.score, pair.target, times),
+                            timing=None if args.resume and has_run(args.out) else
+                            measure_timing(pair.drafter, config.score, pair.target, times),
                             log=lambda message: print(message, file=sys.stderr), on_step=tracker.on_step,
                             progress=functools.partial(progress_bar, enabled=show_progress(args.json)))
     except BaseException:
@@ -117,6 +134,20 @@ def run(args) -> int:
     write_json(state, args.json)
     print("\n".join(summary_lines(state, args.out)), file=sys.stderr)
     return 0
+
+
+def check_layer_budget(args) -> None:
+    """--layers-to-remove and --per-step against the drafter's layer count (its config.json), before any
+    model loads: a budget the drafter cannot meet fails at once, not after the pair is loaded."""
+    from models.errors import ConfigError
+    from prune.progressive import RunConfig
+
+    layers = drafter_layers(args)
+    RunConfig(layers_to_remove=args.layers_to_remove, min_retention=args.min_retention,
+              per_step=args.per_step).validate(layers)
+    if args.per_step >= layers:
+        raise ConfigError(f"--per-step {args.per_step} must be below the drafter's {layers} layers (at least one "
+                          "must remain); lower --per-step")
 
 
 def _check_speed(args, state: dict, pair, decode) -> dict:

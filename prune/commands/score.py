@@ -1,6 +1,6 @@
 """`prune score`: per-layer importance, the drop in acceptance length when one layer is removed."""
 
-
+from . import _types
 from ._common import (
     add_command,
     add_debug,
@@ -40,11 +40,14 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--verify", choices=("replay", "live"), default="replay",
                         help="replay: target trajectories recorded once; live: the target in every evaluation")
     add_decode_args(parser)
-    parser.add_argument("--batch-size", type=int, default=16, help="prompts per batched drafter pass (replay)")
-    parser.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the intervals")
-    parser.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    parser.add_argument("--batch-size", type=_types.positive_int, default=16,
+                        help="prompts per batched drafter pass (replay)")
+    parser.add_argument("--bootstrap", type=_types.positive_int, default=1000,
+                        help="bootstrap resamples for the intervals")
+    parser.add_argument("--seed", type=_types.non_negative_int, default=0, help="bootstrap seed")
     parser.add_argument("--no-cache", action="store_true", help="recompute even when cached results exist")
-    parser.add_argument("--json", metavar="OUT", default=None, help="write the JSON report to OUT ('-' = stdout)")
+    parser.add_argument("--json", metavar="OUT", default=None, type=_types.output_file,
+                        help="write the JSON report to OUT ('-' = stdout)")
     add_tracking_args(parser)
     add_debug(parser)
     parser.set_defaults(run=run)
@@ -53,6 +56,7 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from dataclasses import asdict
 
+    from decode.timing import drafter_layer_costs
     from models._wheels import resolve_cache_dir
     from prune.progress import progress_bar
     from prune.scoring import ScoreConfig, cached_json, cached_trajectories, fingerprint, score_layers, trajectory_key
@@ -69,12 +73,16 @@ def run(args) -> int:
     key = fingerprint("scores", drafter_hash, trajectory_key(pair.target, ids, decode), config.criterion,
                       config.verify, config.bootstrap, config.seed, asdict(decode))
     layers = pair.drafter.config.num_hidden_layers
+
+    def score() -> dict:
+        # Every reduced drafter has one layer fewer: its pass times come from the drafter's cost per layer
+        # (decode.cost.LayerCost, fitted on two depths) instead of 36 timings that differ only by noise.
+        costs = drafter_layer_costs(pair.drafter, decode.packed_budget, full=(times.draft_ms, times.packed_ms))
+        return score_layers(pair.drafter, ids, config, target=pair.target, trajectories=trajectories,
+                            on_layer=lambda *_: advance(), times=times, layer_costs=costs).to_dict()
+
     with progress_bar("score", layers, enabled=show_progress(args.json)) as advance:
-        report = cached_json(
-            cache / "scores" if cache else None, key,
-            lambda: score_layers(pair.drafter, ids, config, target=pair.target, trajectories=trajectories,
-                                 on_layer=lambda *_: advance(), times=times).to_dict(),
-        )
+        report = cached_json(cache / "scores" if cache else None, key, score)
     report["settings"].update({"drafter": drafter_dir, "target": target_path, "prompts_source": source})
     tracker = make_tracker(args, "score", {"settings": report["settings"], "drafter_hash": drafter_hash},
                            drafter_hash)

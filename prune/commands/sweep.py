@@ -4,6 +4,7 @@ import argparse
 import os
 import sys
 
+from . import _types
 from ._common import (
     add_command,
     add_debug,
@@ -14,6 +15,7 @@ from ._common import (
     add_prompt_args,
     add_tracking_args,
     decode_config,
+    drafter_layers,
     heal_examples,
     load_pair_and_prompts,
     make_tracker,
@@ -44,36 +46,43 @@ def add_parser(subparsers) -> None:
         "retention vs cost. Workers running the same command against one --storage share the study; "
         "--n-trials is the study-wide number of trials that end COMPLETE or PRUNED." + EXAMPLES,
     )
-    parser.add_argument("--study", required=True, help="study name (also the W&B group of its trials)")
+    parser.add_argument("--study", required=True, type=_types.name,
+                        help="study name (also the W&B group of its trials)")
     parser.add_argument("--storage", default=None,
                         help="Optuna storage: sqlite:///FILE, postgresql://..., mysql+pymysql://..., journal:FILE "
                         "(default: sqlite under --out)")
-    parser.add_argument("--out", default=None, help="folder for this worker's trials (default: sweep-STUDY)")
-    parser.add_argument("--n-trials", type=int, default=None,
+    parser.add_argument("--out", default=None, type=_types.output_dir,
+                        help="folder for this worker's trials (default: sweep-STUDY)")
+    parser.add_argument("--n-trials", type=_types.positive_int, default=None,
                         help="study-wide number of COMPLETE/PRUNED trials to reach (all workers together)")
-    parser.add_argument("--timeout", type=float, default=None, help="start no trial after this many seconds")
-    parser.add_argument("--space", default=None, help="search space TOML file (default: the shipped one)")
+    parser.add_argument("--timeout", type=_types.positive_float, default=None,
+                        help="start no trial after this many seconds")
+    parser.add_argument("--space", default=None, type=_types.text_file,
+                        help="search space TOML file (default: the shipped one)")
     parser.add_argument("--directions", nargs="+", default=["maximize"], choices=("maximize", "minimize"),
                         help="`maximize`: predicted speedup; `maximize minimize`: retention vs cost (Pareto)")
-    parser.add_argument("--retention-floor", type=float, default=0.95,
+    parser.add_argument("--retention-floor", type=_types.positive_fraction, default=0.95,
                         help="least eval retention of a feasible trial; also the least --min-retention of a campaign")
     parser.add_argument("--cost", choices=("layers", "packed_ms"), default="layers",
                         help="cost objective of the Pareto mode: layers left or predicted packed-pass ms")
     parser.add_argument("--pruner", choices=("median", "none"), default="median",
                         help="stop unpromising trials early (single-objective mode only)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the sampler (per trial), healing and bootstrap")
-    parser.add_argument("--heartbeat", type=int, default=30,
+    parser.add_argument("--seed", type=_types.non_negative_int, default=0,
+                        help="seeds the sampler (per trial), healing and bootstrap")
+    parser.add_argument("--heartbeat", type=_types.non_negative_int, default=30,
                         help="seconds between a running trial's heartbeats (RDB storages; 0: off)")
-    parser.add_argument("--grace", type=int, default=None,
+    parser.add_argument("--grace", type=_types.positive_int, default=None,
                         help="seconds without heartbeat before a trial counts as dead (default: 3 x --heartbeat)")
     parser.add_argument("--summary", action="store_true", help="print the best trial / Pareto front and exit")
-    parser.add_argument("--json", metavar="OUT", default=None, help="write the summary as JSON ('-' = stdout)")
+    parser.add_argument("--json", metavar="OUT", default=None, type=_types.output_file,
+                        help="write the summary as JSON ('-' = stdout)")
     add_model_args(parser)
     add_prompt_args(parser, default_suite="humaneval:calib", max_new_tokens=32, limit=None)
-    parser.add_argument("--eval-suite", default="humaneval:eval", metavar="NAME[:calib|:eval]",
+    parser.add_argument("--eval-suite", default="humaneval:eval", metavar="NAME[:calib|:eval]", type=_types.suite,
                         help="built-in suite measuring every trial's final drafter")
-    parser.add_argument("--eval-prompts", default=None, metavar="FILE.jsonl", help="JSONL evaluation prompts instead")
-    parser.add_argument("--eval-limit", type=int, default=8, help="evaluation prompts used")
+    parser.add_argument("--eval-prompts", default=None, metavar="FILE.jsonl", type=_types.text_file,
+                        help="JSONL evaluation prompts instead")
+    parser.add_argument("--eval-limit", type=_types.positive_int, default=8, help="evaluation prompts used")
     parser.add_argument("--verify", choices=("replay", "live"), default="replay", help="verification in scoring")
     add_decode_args(parser)
     add_heal_data_arg(parser)  # without healing data the space's LoRA settings are not searched
@@ -84,7 +93,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from sweeps.objective import SweepConfig
+    from sweeps.objective import SweepConfig, check_layer_budget
     from sweeps.space import SearchSpace
     from sweeps.study import make_storage, open_study, run_worker, summarize
 
@@ -109,6 +118,7 @@ def run(args) -> int:
         from models.errors import ConfigError
 
         raise ConfigError("give --n-trials (the study-wide total) or --timeout, or --summary to see results")
+    check_layer_budget(space, drafter_layers(args))  # before any model loads
     objective = _objective(args, config, space)
     study = open_study(args.study, storage, config.directions,
                        {**config.record(), "space": objective.space.record()}, seed=args.seed, pruner=args.pruner)

@@ -19,8 +19,11 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ._common import quiet_libraries
+    from ._common import quiet_libraries, resolve_device
 
     quiet_libraries()
+    if args.device != "auto":  # a device this machine lacks fails before anything is built
+        resolve_device(args.device)
+    _train.data_weights(args)  # as early: one weight per --data folder
     _train.train_demo_drafter(args)
     return 0

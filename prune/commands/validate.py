@@ -1,5 +1,6 @@
 """`prune validate`: check a drafter checkpoint (and optionally its pairing with a target) without decoding."""
 
+from . import _types
 from ._common import add_command, add_debug, quiet_libraries, write_json
 
 
@@ -12,9 +13,11 @@ def add_parser(subparsers) -> None:
         "lists, safetensors integrity, tensor names and shapes; with --target also the vocabulary, mask id, "
         "tokenizer and block size against the target.\n\nexample:\n  prune validate --drafter DRAFTER --target TARGET",
     )
-    parser.add_argument("--drafter", required=True, help="drafter checkpoint folder")
-    parser.add_argument("--target", default=None, help="target model folder or .gguf file (optional)")
-    parser.add_argument("--json", metavar="OUT", default=None, help="write the summary as JSON to OUT ('-' = stdout)")
+    parser.add_argument("--drafter", required=True, type=_types.drafter_dir, help="drafter checkpoint folder")
+    parser.add_argument("--target", default=None, type=_types.target_path,
+                        help="target model folder or .gguf file (optional)")
+    parser.add_argument("--json", metavar="OUT", default=None, type=_types.output_file,
+                        help="write the summary as JSON to OUT ('-' = stdout)")
     add_debug(parser)
     parser.set_defaults(run=run)
 
