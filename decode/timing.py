@@ -82,12 +82,6 @@ def drafter_pass_ms(drafter, packed_budget: int = 64, repeats: int = 7, context:
     return times["draft"], times["packed"]
 
 
-def target_pass_ms(target, widths, repeats: int = 7, context: int = 64) -> dict[int, float]:
-    """Target pass time per fed width (1 = an ar step), ms, measured interleaved across widths."""
-    probe = _TargetProbe(target, context)
-    return _interleaved_ms({width: (lambda w=width: probe.run(w)) for width in widths}, repeats)
-
-
 def measure_pass_times(target, drafter, config: DecodeConfig, repeats: int = 7, context: int = 64) -> PassTimes:
     """Everything the cost model needs for this pair on this device (`repeats` + 1 passes of each kind,
     all kinds interleaved).
