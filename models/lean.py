@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from .cache import StaticKV
 
 _ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-# model -> (key, prepacked weights), kept between decoders; outside the model so that copies of it (layer
+# model -> {kind: (key, derived weights)} (prepacked, fused), kept between decoders; outside the model so that copies of it (layer
 # surgery deep-copies) neither carry nor share the packs, and dropped with the model.
-_PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> torch.Tensor:
@@ -51,14 +51,33 @@ def prepacked(model: torch.nn.Module, weights: list[torch.Tensor]) -> list[torch
     sample of its values, because peft merges adapters through `.data`, which moves neither of the first
     two (a merge changes nearly every value, so the sample sees it).
     """
+    return _derived(model, "packed", weights, lambda: [torch.ops.mkldnn._reorder_linear_weight(w, None)
+                                                        for w in weights])
+
+
+def fused(model: torch.nn.Module, groups: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+    """One matrix per group of `groups`, its members stacked along the output dimension, made once per
+    model and reused like `prepacked`: q, k and v (and gate and up) read the same input, and one product
+    of the stacked matrix costs less than three (two) small ones where each product's fixed cost is most of
+    it (the demo drafter's 192-wide layers on a CPU). None where a group holds None (no biases)."""
+    flat = [w for group in groups for w in group if w is not None]
+
+    def build():
+        return [None if any(w is None for w in group) else torch.cat(group) for group in groups]
+
+    return _derived(model, "fused", flat, build)
+
+
+def _derived(model: torch.nn.Module, kind: str, weights: list[torch.Tensor], build) -> list:
+    """`build()` (tensors derived from `weights`), cached per (model, kind) while `weights` are unchanged."""
     key = tuple((w.data_ptr(), -1 if w.is_inference() else w._version, _sample_sum(w)) for w in weights)
-    cached = _PACKED.get(model)
+    cached = _PACKED.setdefault(model, {}).get(kind)
     if cached is not None and cached[0] == key:
         return cached[1]
     with torch.inference_mode():
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
-    _PACKED[model] = (key, packed)
-    return packed
+        derived = build()
+    _PACKED[model][kind] = (key, derived)
+    return derived
 
 
 def _sample_sum(weight: torch.Tensor) -> float:
@@ -84,6 +103,10 @@ class _Layer(NamedTuple):
     w_gate: torch.Tensor
     w_up: torch.Tensor
     w_down: torch.Tensor
+    # Stacked copies (see `fused`): q, k, v rows then gate, up rows; None when the layer runs them apart.
+    w_qkv: torch.Tensor | None = None
+    b_qkv: torch.Tensor | None = None
+    w_gate_up: torch.Tensor | None = None
 
     @classmethod
     def of(cls, layer: torch.nn.Module) -> "_Layer":
@@ -102,6 +125,10 @@ MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the _Layer fi
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # torch's fused kernel: bit-identical to the steps below in float32 (checked on every shape the
+        # lean forward uses), one operation instead of seven.
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -147,11 +174,21 @@ class LeanDecoder:
         self.packed = prepack and self.head_packed
         self.head_weight = model.lm_head.weight
         flat = [getattr(layer, name) for layer in self.layers for name in MATRICES] if self.packed else []
+        if not self.packed:
+            self.layers = self._fuse(model, self.layers)
         if self.head_packed:
             packed = iter(prepacked(model, flat + [self.head_weight]))
             self.layers = [layer._replace(**{name: next(packed) for name in MATRICES}) for layer in self.layers
                            ] if self.packed else self.layers
             self.head_weight = next(packed)
+
+    @staticmethod
+    def _fuse(model: torch.nn.Module, layers: list[_Layer]) -> list[_Layer]:
+        """`layers` with stacked q/k/v and gate/up matrices (`fused`). Like the lm_head pack, they are made
+        when the decoder is built: weights changed afterwards are not seen (build a new LeanDecoder)."""
+        groups = [group for w in layers for group in ((w.wq, w.wk, w.wv), (w.bq, w.bk, w.bv), (w.w_gate, w.w_up))]
+        stacked = iter(fused(model, groups))
+        return [w._replace(w_qkv=next(stacked), b_qkv=next(stacked), w_gate_up=next(stacked)) for w in layers]
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -214,20 +251,33 @@ class LeanDecoder:
             attn = self._attention(index, w, _rms_norm(hidden, w.input_norm, self.eps), cos, sin, ragged,
                                    mask, causal, cache)
             hidden = hidden + _linear(attn, w.wo, None, self.packed)
-            x = _rms_norm(hidden, w.post_norm, self.eps)
-            gated = F.silu(_linear(x, w.w_gate, None, self.packed)) * _linear(x, w.w_up, None, self.packed)
-            hidden = hidden + _linear(gated, w.w_down, None, self.packed)
+            hidden = hidden + self._mlp(w, _rms_norm(hidden, w.post_norm, self.eps))
         cache.advance(q_len)
         return ragged.unpack(_rms_norm(hidden, self.final_norm, self.eps))
+
+    def _mlp(self, w: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU MLP of tokens `x` `(*tokens, hidden_size)` -> `(*tokens, hidden_size)`."""
+        if w.w_gate_up is not None:
+            gate, up = _linear(x, w.w_gate_up, None, False).chunk(2, dim=-1)
+        else:
+            gate, up = _linear(x, w.w_gate, None, self.packed), _linear(x, w.w_up, None, self.packed)
+        return _linear(F.silu(gate) * up, w.w_down, None, self.packed)
 
     def _attention(self, index: int, w: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    ragged: "_Ragged", mask: torch.Tensor | None, causal: bool, cache: StaticKV) -> torch.Tensor:
         """Self-attention of layer `index` for tokens `x` `(*tokens, hidden_size)` (packed or padded as
         `ragged` says); returns `(*tokens, heads * head_dim)`, before the output projection."""
         tokens = x.shape[:-1]
-        q = _linear(x, w.wq, w.bq, self.packed).view(*tokens, self.num_heads, self.head_dim)
-        k = _linear(x, w.wk, w.bk, self.packed).view(*tokens, self.num_kv_heads, self.head_dim)
-        v = _linear(x, w.wv, w.bv, self.packed).view(*tokens, self.num_kv_heads, self.head_dim)
+        if w.w_qkv is not None:
+            kv_width = self.num_kv_heads * self.head_dim
+            q, k, v = _linear(x, w.w_qkv, w.b_qkv, False).split(
+                [self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
+        else:
+            q, k, v = (_linear(x, weight, bias, self.packed) for weight, bias in ((w.wq, w.bq), (w.wk, w.bk),
+                                                                                (w.wv, w.bv)))
+        q = q.reshape(*tokens, self.num_heads, self.head_dim)
+        k = k.reshape(*tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(*tokens, self.num_kv_heads, self.head_dim)
         if w.q_norm is not None:
             q, k = _rms_norm(q, w.q_norm, self.eps), _rms_norm(k, w.k_norm, self.eps)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)

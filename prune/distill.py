@@ -4,10 +4,10 @@ Prompts come from real text that no evaluation suite uses: functions, docstrings
 CPython standard library on this machine (code completion, explanation, tests, review, continuation,
 instruction-following on documentation), plus a small share of synthetic arithmetic word problems.
 In these styles none come from HumanEval, MT-Bench or CHAMP; when those suites load, any prompt that
-contains one of their prompts is dropped as well (the `calib` style below takes suite prompts on purpose,
-and only drops evaluation-part ones). Selection is a pure function of (stdlib contents, number, seed, style).
+contains one of their prompts is dropped as well (the `train` and `champ` styles below take suite prompts
+on purpose, from the suites' training parts, and drop any prompt of a held-out part). Selection is a pure function of (stdlib contents, number, seed, style).
 
-Four styles. `general` (above) teaches the drafter the target's voice on varied tasks. `suites` asks in
+Five styles. `general` (above) teaches the drafter the target's voice on varied tasks. `suites` asks in
 the exact wording of the suites' instructions, on material of our own: "Complete the following Python
 function" around a standard-library function's signature and docstring (HumanEval's shape), and "Solve the
 following problem..." around synthetic competition problems in CHAMP's plain-text style (counting,
@@ -16,14 +16,15 @@ the target's answers follow: a drafter trained on general data alone accepted fa
 on held-out general data (first slot 0.44 on humaneval vs 0.75), and this data narrows that gap. Its
 pool is small: two seeds share much of it (887 of 2048 prompts of seed 1 are in seed 0's 1536), so a
 second seed adds fewer new sequences than its count.
-`calib` takes the prompts of the suites' calibration parts verbatim (HumanEval 82, CHAMP 135, MT-Bench 40
-first turns: what a user distilling on their own traffic does); it never takes a prompt of an evaluation
-part, so held-out tau stays held out. Pruning calibrates on these parts too: a drafter trained on them
-has a higher calibration tau than evaluation tau, and retention should be read on the evaluation parts.
-`champ` takes CHAMP's own prompt formats around its calibration problems (`decode.suites.
+`train` takes the prompts of the suites' training parts verbatim (HumanEval 82, CHAMP 135, MT-Bench 40
+first turns: what a user distilling on their own traffic does); it never takes a prompt of a calibration
+or evaluation part, so calibration and held-out tau stay unseen (decode/suites.py has the three-way split).
+`champ` takes CHAMP's own prompt formats around its training-part problems (`decode.suites.
 champ_prompt_variants`: with partial solutions, hints, relevant or misleading concepts, or asking to
 explain a concept; 921 distinct prompts): more of the target's math answers in the suite's wording than
 the 135 plain prompts give, with no evaluation problem in them (formats quoting other problems are left out).
+`everyday` is neither code nor competition math: instructions, everyday questions, arithmetic word problems
+and editing tasks from templates of our own (prune/everyday.py), for users whose traffic is general chat.
 
 Responses are the target's greedy continuations of the chat-templated prompt (templated exactly as the
 decoders do it, through `decode.prompts.tokenize_records`), batched with left padding, cut after the
@@ -220,26 +221,26 @@ def _competition_prompt(rng: random.Random, index: int) -> dict:
             "prompt": CHAMP_INSTRUCTION.format(text=text)}
 
 
-STYLES = ("general", "suites", "calib", "champ")
-# Styles made of suite material: checked against the evaluation parts only, and strictly (no suites, no data).
-SUITE_STYLES = ("calib", "champ")
+STYLES = ("general", "suites", "train", "champ", "everyday")
+# Styles made of suite material: checked against the held-out parts only, and strictly (no suites, no data).
+SUITE_STYLES = ("train", "champ")
 
 
-def calibration_prompts(num_prompts: int, seed: int = 0) -> list[dict]:
-    """`num_prompts` prompt records of the suites' calibration parts, in a seeded order (style `calib`)."""
+def training_part_prompts(num_prompts: int, seed: int = 0) -> list[dict]:
+    """`num_prompts` prompt records of the suites' training parts, in a seeded order (style `train`)."""
     from decode.suites import SUITES, load_suite
 
-    records = [{"id": record["id"], "source": f"suite/{name}:calib", "prompt": record["prompt"]}
-               for name in SUITES for record in load_suite(f"{name}:calib")]
-    return _seeded_draw(records, num_prompts, seed, "calib", "the suites' calibration parts")
+    records = [{"id": record["id"], "source": f"suite/{name}:train", "prompt": record["prompt"]}
+               for name in SUITES for record in load_suite(f"{name}:train")]
+    return _seeded_draw(records, num_prompts, seed, "train", "the suites' training parts")
 
 
 def champ_variant_prompts(num_prompts: int, seed: int = 0) -> list[dict]:
-    """`num_prompts` of CHAMP's own prompt formats around its calibration problems (style `champ`)."""
+    """`num_prompts` of CHAMP's own prompt formats around its training-part problems (style `champ`)."""
     from decode.suites import champ_prompt_variants
 
-    records = [{**record, "source": "suite/champ:calib-variants"} for record in champ_prompt_variants("calib")]
-    return _seeded_draw(records, num_prompts, seed, "champ", "CHAMP's prompt formats on its calibration problems")
+    records = [{**record, "source": "suite/champ:train-variants"} for record in champ_prompt_variants("train")]
+    return _seeded_draw(records, num_prompts, seed, "champ", "CHAMP's prompt formats on its training-part problems")
 
 
 def _seeded_draw(records: list[dict], num_prompts: int, seed: int, style: str, what: str) -> list[dict]:
@@ -262,16 +263,21 @@ def collect_training_prompts(
     Reads only as many files as needed: files are visited in a seeded order, a few prompts each, and the
     pass repeats with more prompts per file when the library is exhausted. `style="suites"` draws half
     competition problems and half function signatures (see the module docstring); `math_share` is then unused.
-    `style="calib"` and `style="champ"` read no library: see `calibration_prompts`, `champ_variant_prompts`.
+    `style="train"`, `"champ"` and `"everyday"` read no library: see `training_part_prompts`,
+    `champ_variant_prompts`, `prune.everyday.everyday_prompts`.
     """
     from models.errors import ConfigError, DataError
 
     if style not in STYLES:
         raise ConfigError(f"unknown prompt style {style!r}; choose one of {', '.join(STYLES)} (--style)")
-    if style == "calib":
-        return calibration_prompts(num_prompts, seed)
+    if style == "train":
+        return training_part_prompts(num_prompts, seed)
     if style == "champ":
         return champ_variant_prompts(num_prompts, seed)
+    if style == "everyday":
+        from prune.everyday import everyday_prompts
+
+        return everyday_prompts(num_prompts, seed)
     root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"]).resolve()
     files = stdlib_files(root)
     if not files:
@@ -310,8 +316,9 @@ def collect_training_prompts(
     return prompts
 
 
-def evaluation_prompts(strict: bool = False, part: str | None = None) -> list[str] | None:
-    """Every prompt text of the built-in suites (all turns); with `part` ("eval"), of that part only.
+def evaluation_prompts(strict: bool = False, parts: tuple[str, ...] | None = None) -> list[str] | None:
+    """Every prompt text of the built-in suites (all turns); with `parts` (e.g. ("calib", "eval")), of
+    those parts only.
 
     When the suites cannot be loaded (offline, first use), returns None after a warning on stderr, or
     raises with `strict`: the training prompts are disjoint by construction, the filter is a safeguard.
@@ -329,7 +336,8 @@ def evaluation_prompts(strict: bool = False, part: str | None = None) -> list[st
     texts = []
     for name in SUITES:
         try:
-            records = load_suite(name if part is None else f"{name}:{part}")
+            specs = [name] if parts is None else [f"{name}:{part}" for part in parts]
+            records = [record for spec in specs for record in load_suite(spec)]
         except D3DError as exc:
             if strict:
                 raise
@@ -426,9 +434,11 @@ def generate_distillation_data(
 def _select_prompts(num_prompts: int, seed: int, stdlib_dir, style: str) -> tuple[list[dict], list[str] | None]:
     """(`num_prompts` training prompt records with no evaluation prompt in them, the evaluation texts checked
     against or None when the suites could not be loaded)."""
-    # The calib and champ styles consist of suite material: checked against the evaluation parts only.
+    from decode.suites import HELD_OUT_PARTS
+
+    # The train and champ styles consist of suite material: checked against the held-out parts only.
     suite_style = style in SUITE_STYLES
-    eval_texts = evaluation_prompts(strict=suite_style, part="eval" if suite_style else None)
+    eval_texts = evaluation_prompts(strict=suite_style, parts=HELD_OUT_PARTS if suite_style else None)
     asked = num_prompts
     while True:  # ask for more when the evaluation filter dropped some (it almost never does)
         prompts = collect_training_prompts(asked, seed, stdlib_dir, style=style)
@@ -532,3 +542,11 @@ def load_distillation_data(folder: str | os.PathLike, partial: bool = False) -> 
         records += [json.loads(line) for line in shard.read_text().splitlines() if line.strip()]
     return records
 
+
+
+def training_prompt_set(folder: str | os.PathLike, partial: bool = False) -> dict:
+    """The prompts of a distillation folder as one set of a drafter's training record (models/provenance.py),
+    named after the folder; `partial` as in `load_distillation_data` (what a `--partial-data` run read)."""
+    from models.provenance import prompt_set
+
+    return prompt_set(Path(folder).name, [record["prompt"] for record in load_distillation_data(folder, partial)])

@@ -1,6 +1,7 @@
 """Distillation data: prompts disjoint from evaluation, deterministic, and resumable generation."""
 
 import ast
+import collections
 import json
 import os
 
@@ -48,47 +49,48 @@ def test_no_evaluation_prompt_in_training_prompts():
     assert not leaks
 
 
-def test_calib_style_is_the_suites_calibration_parts_and_no_evaluation_prompt():
-    from decode.suites import SUITES, load_suite
+def test_train_style_is_the_suites_training_parts_and_no_held_out_prompt():
+    from decode.suites import HELD_OUT_PARTS, SUITES, load_suite
     from models.errors import ConfigError, D3DError
     from prune.distill import evaluation_prompts
 
     try:
-        held_out = evaluation_prompts(strict=True, part="eval")
+        held_out = evaluation_prompts(strict=True, parts=HELD_OUT_PARTS)
     except D3DError as exc:
         pytest.skip(f"evaluation suites cannot be loaded here ({exc})")
-    prompts = collect_training_prompts(257, seed=0, style="calib")
-    calib = {r["prompt"] for name in SUITES for r in load_suite(f"{name}:calib")}
-    assert {p["prompt"] for p in prompts} == calib and len(calib) == 82 + 135 + 40
+    prompts = collect_training_prompts(257, seed=0, style="train")
+    train = {r["prompt"] for name in SUITES for r in load_suite(f"{name}:train")}
+    assert {p["prompt"] for p in prompts} == train and len(train) == 82 + 135 + 40
     assert not [p["id"] for p in prompts for e in held_out if e in p["prompt"]]
-    assert prompts == collect_training_prompts(257, seed=0, style="calib")
-    assert collect_training_prompts(10, seed=1, style="calib") != prompts[:10]
+    assert prompts == collect_training_prompts(257, seed=0, style="train")
+    assert collect_training_prompts(10, seed=1, style="train") != prompts[:10]
     with pytest.raises(ConfigError, match="--num-prompts 257 or fewer"):
-        collect_training_prompts(258, style="calib")
+        collect_training_prompts(258, style="train")
 
 
-def test_champ_style_is_champ_formats_on_calibration_problems_only():
+def test_champ_style_is_champ_formats_on_training_part_problems_only():
     from decode.suites import champ_prompt_variants, load_suite
     from models.errors import ConfigError, D3DError
 
     try:
         problems = {part: {r["id"]: r["prompt"].split("\n\n", 1)[1] for r in load_suite(f"champ:{part}")}
-                    for part in ("calib", "eval")}
+                    for part in ("train", "calib", "eval")}
     except D3DError as exc:
         pytest.skip(f"the champ suite cannot be loaded here ({exc})")
     prompts = collect_training_prompts(921, seed=0, style="champ")
     assert len({p["prompt"] for p in prompts}) == 921
-    # Every prompt is about a calibration problem (named in its id, its text quoted except for the
-    # concept-first formats), and no evaluation problem's text appears anywhere.
+    # Every prompt is about a training-part problem (named in its id, its text quoted except for the
+    # concept-first formats), and no held-out problem's text appears anywhere.
     for p in prompts:
         pid, fmt = p["id"].split("|")
-        assert pid in problems["calib"]
-        assert problems["calib"][pid] in p["prompt"] or fmt.startswith(("Name C", "Example C"))
-    assert not [p["id"] for p in prompts for text in problems["eval"].values() if text in p["prompt"]]
-    plain = set(r["prompt"] for r in load_suite("champ:calib"))
+        assert pid in problems["train"]
+        assert problems["train"][pid] in p["prompt"] or fmt.startswith(("Name C", "Example C"))
+    held_out = [*problems["calib"].values(), *problems["eval"].values()]
+    assert not [p["id"] for p in prompts for text in held_out if text in p["prompt"]]
+    plain = set(r["prompt"] for r in load_suite("champ:train"))
     assert not plain & {p["prompt"] for p in prompts}
     assert prompts == collect_training_prompts(921, seed=0, style="champ")
-    assert {p["id"] for p in champ_prompt_variants("calib")} == {p["id"] for p in prompts}
+    assert {p["id"] for p in champ_prompt_variants("train")} == {p["id"] for p in prompts}
     with pytest.raises(ConfigError, match="--num-prompts 921 or fewer"):
         collect_training_prompts(922, style="champ")
 
@@ -199,3 +201,30 @@ def test_generation_writes_shards_and_a_restart_skips_them(tmp_path, monkeypatch
     with pytest.raises(CheckpointError, match="max_new_tokens"):
         generate_distillation_data(target, out, **{**kwargs, "max_new_tokens": 5})
     assert json.loads((out / "manifest.json").read_text())["num_prompts"] == 6
+
+
+def test_everyday_style_is_seeded_distinct_balanced_and_never_a_suite_prompt():
+    from models.errors import ConfigError, D3DError
+    from prune.distill import evaluation_prompts
+    from prune.everyday import KINDS, everyday_prompts
+
+    prompts = collect_training_prompts(400, seed=3, style="everyday")
+    assert prompts == everyday_prompts(400, seed=3) == collect_training_prompts(400, seed=3, style="everyday")
+    assert everyday_prompts(400, seed=4) != prompts
+    assert len({p["prompt"] for p in prompts}) == len({p["id"] for p in prompts}) == 400
+    kinds = collections.Counter(p["source"].split("/")[1] for p in prompts)
+    assert set(kinds) == set(KINDS) and max(kinds.values()) - min(kinds.values()) <= len(KINDS)
+    # A larger draw keeps every kind's first prompts: asking for more does not reshuffle what a kind makes.
+    assert {p["id"]: p["prompt"] for p in prompts} | {p["id"]: p["prompt"] for p in everyday_prompts(800, 3)} \
+        == {p["id"]: p["prompt"] for p in everyday_prompts(800, 3)}
+    for bad in (0, -5):
+        with pytest.raises(ConfigError, match="--num-prompts must be at least 1"):
+            everyday_prompts(bad)
+    with pytest.raises(ConfigError, match=r"ask for at most \d+ prompts"):
+        everyday_prompts(10**6)
+    try:
+        suite_texts = evaluation_prompts(strict=True)
+    except D3DError as exc:
+        pytest.skip(f"evaluation suites cannot be loaded here ({exc})")
+    assert not [p["id"] for p in everyday_prompts(2000) for text in suite_texts
+                if text in p["prompt"] or p["prompt"] in text]

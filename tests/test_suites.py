@@ -1,4 +1,4 @@
-"""Built-in prompt suites (docs/design.md, The demo pair and the suites): counts, a stable calib/eval split, clear errors, and the
+"""Built-in prompt suites (docs/design.md, The demo pair and the suites): counts, a stable train/calib/eval split, clear errors, and the
 wheel-member helper they are read through.
 
 The suite tests read the pinned data files from installed packages or the user cache and never
@@ -24,13 +24,15 @@ from models.errors import DataError
 COUNTS = {"humaneval": 164, "mtbench": 80, "champ": 270}
 # A few ids per part, pinned: if the split rule or the data changes, these fail.
 PINNED = {
-    "humaneval": {"calib": ["HumanEval/0", "HumanEval/1", "HumanEval/100", "HumanEval/98"],
-                  "eval": ["HumanEval/10", "HumanEval/102", "HumanEval/91", "HumanEval/99"]},
-    "mtbench": {"calib": ["mtbench/101", "mtbench/102", "mtbench/103", "mtbench/105"],
-                "eval": ["mtbench/100", "mtbench/104", "mtbench/106", "mtbench/107"]},
-    "champ": {"calib": ["P_Combinatorics_12", "P_Combinatorics_13", "P_Sequence_46", "P_Sequence_50"],
-              "eval": ["P_Combinatorics_1", "P_Combinatorics_10", "P_Sequence_6", "P_Sequence_9"]},
+    "humaneval": {"train": ["HumanEval/0", "HumanEval/1", "HumanEval/100", "HumanEval/98"],
+                  "calib": ["HumanEval/10", "HumanEval/91"], "eval": ["HumanEval/102", "HumanEval/99"]},
+    "mtbench": {"train": ["mtbench/101", "mtbench/102", "mtbench/103", "mtbench/105"],
+                "calib": ["mtbench/100", "mtbench/106"], "eval": ["mtbench/104", "mtbench/107"]},
+    "champ": {"train": ["P_Combinatorics_12", "P_Combinatorics_13", "P_Sequence_46", "P_Sequence_50"],
+              "calib": ["P_Combinatorics_1", "P_Sequence_9"], "eval": ["P_Combinatorics_10", "P_Sequence_6"]},
 }
+# train / calib / eval sizes: half for training, the other half split in two (calib rounded down per category).
+SIZES = {"humaneval": (82, 41, 41), "mtbench": (40, 16, 24), "champ": (135, 66, 69)}
 
 
 @functools.cache
@@ -40,7 +42,7 @@ def _read(name: str):
 
 
 def read_or_skip(name: str):
-    """(name, all records, {"calib": records, "eval": records}), read once per session, offline."""
+    """(name, all records, {part: records}), read once per session, offline."""
     try:
         suites.suite_data_file(name, fetch=False)
     except DataError as exc:
@@ -65,12 +67,14 @@ def test_suite_has_the_expected_records(suite):
         assert isinstance(record["id"], str) and isinstance(record["prompt"], str) and record["prompt"].strip()
 
 
-def test_parts_are_disjoint_halves_covering_the_suite(suite):
+def test_parts_are_disjoint_and_cover_the_suite(suite):
     name, records, parts = suite
-    calib, held_out = set(ids(parts["calib"])), set(ids(parts["eval"]))
-    assert not calib & held_out
-    assert calib | held_out == set(ids(records))
-    assert len(calib) == len(held_out) == COUNTS[name] // 2
+    train, calib, held_out = (set(ids(parts[part])) for part in ("train", "calib", "eval"))
+    assert not train & calib and not train & held_out and not calib & held_out
+    assert train | calib | held_out == set(ids(records))
+    assert (len(train), len(calib), len(held_out)) == SIZES[name]
+    assert len(train) == COUNTS[name] // 2
+    assert set(suites.HELD_OUT_PARTS) == {"calib", "eval"}
 
 
 def test_parts_keep_the_file_order(suite):
@@ -93,8 +97,9 @@ def test_mtbench_split_is_balanced_by_category():
     _, _, parts = read_or_skip("mtbench")
     data = suites._read_jsonl(suites.suite_data_file("mtbench", fetch=False))
     category = {f"mtbench/{item['question_id']}": item["category"] for item in data}
-    counts = collections.Counter(category[record_id] for record_id in ids(parts["calib"]))
-    assert len(counts) == 8 and set(counts.values()) == {5}
+    for part, per_category in (("train", 5), ("calib", 2), ("eval", 3)):
+        counts = collections.Counter(category[record_id] for record_id in ids(parts[part]))
+        assert len(counts) == 8 and set(counts.values()) == {per_category}, part
 
 
 def test_prompt_formats(suite):
@@ -116,21 +121,21 @@ def test_prompt_formats(suite):
 
 def test_champ_solutions_follow_the_split():
     _, _, parts = read_or_skip("champ")
-    calib = suites.champ_solution_texts("calib", fetch=False)
-    assert set(calib) == set(ids(parts["calib"]))
-    assert not set(calib) & set(ids(parts["eval"]))
+    train = suites.champ_solution_texts(fetch=False)
+    assert set(train) == set(ids(parts["train"]))
+    assert not set(train) & (set(ids(parts["calib"])) | set(ids(parts["eval"])))
     assert len(suites.champ_solution_texts(None, fetch=False)) == 270
-    text = calib["P_Combinatorics_12"]
+    text = train["P_Combinatorics_12"]
     assert text.startswith("Problem: ") and "\nSolution: " in text and "@@" not in text
 
 
-@pytest.mark.parametrize("spec", ["nope", "HumanEval", "champ:train", "mtbench:", ""])
+@pytest.mark.parametrize("spec", ["nope", "HumanEval", "champ:test", "mtbench:", ""])
 def test_unknown_specs_name_the_choices(spec):
     with pytest.raises(DataError) as info:
         suites.load_suite(spec, fetch=False)
     message = str(info.value)
     assert "\n" not in message
-    assert ("humaneval, mtbench, champ" in message) or (":calib or " in message and ":eval" in message)
+    assert ("humaneval, mtbench, champ" in message) or all(f":{part}" in message for part in suites.PARTS)
 
 
 def test_second_turn_needs_an_mtbench_record():

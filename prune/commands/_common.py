@@ -139,7 +139,7 @@ def _stderr(message: str) -> None:
 def add_prompt_args(parser, default_suite: str = "humaneval:eval", max_new_tokens: int = 128,
                     limit: int | None = None) -> None:
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--suite", default=None, metavar="NAME[:calib|:eval]", type=_types.suite,
+    source.add_argument("--suite", default=None, metavar="NAME[:train|:calib|:eval]", type=_types.suite,
                         help=f"built-in prompt suite: humaneval, mtbench or champ, optionally one part "
                         f"(default when --prompts is not given: {default_suite})")
     source.add_argument("--prompts", default=None, metavar="FILE.jsonl", type=_types.text_file,
@@ -322,7 +322,25 @@ def load_pair_and_prompts(args):
     args.dtype = str(dtype).replace("torch.", "")  # later readers (cache keys, reports) see the resolved name
     records, source = prompt_records(args)
     drafter_dir, target_path = model_paths(args)
+    warn_training_overlap(drafter_dir, records, source)
     pair = load_pair(drafter_dir, target_path, dtype, device)
     prompts = tokenize_records(records, pair.tokenizer, not args.no_chat_template)
     check_context(prompts, args.max_new_tokens, pair.drafter.config.block_size, pair.max_positions)
     return pair, prompts, drafter_dir, target_path, source
+
+
+def warn_training_overlap(drafter_dir, records: list[dict], source: str) -> int:
+    """Warn on stderr when prompts of `records` are in the drafter's recorded training prompts
+    (models/provenance.py); returns how many are. Silent when the drafter records none."""
+    from models.provenance import overlap, read_training_prompts, record_text
+
+    sets = read_training_prompts(drafter_dir)
+    if not sets:
+        return 0
+    found, per_set = overlap(sets, [record_text(record) for record in records])
+    if found:
+        where = ", ".join(f"{name} {count}" for name, count in per_set.items())
+        print(f"warning: {found} of {len(records)} prompts ({source}) are in the drafter's training data ({where}); "
+              "tau on them overstates its tau on new prompts: calibrate and evaluate on prompts it was not "
+              "trained on (the suites' calib and eval parts, e.g. --suite humaneval:calib)", file=sys.stderr)
+    return found

@@ -194,7 +194,7 @@ def data_dir(text: str) -> str:
 
 
 def suite(text: str) -> str:
-    """A built-in prompt suite, NAME or NAME:calib / NAME:eval."""
+    """A built-in prompt suite, NAME or NAME:train / NAME:calib / NAME:eval."""
     from decode.suites import parse_spec
     from models.errors import DataError
 

@@ -34,9 +34,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=_types.non_negative_int, default=0, help="selects the prompts")
     parser.add_argument("--style", choices=STYLES, default="general",
                         help="general: varied tasks on standard-library code and arithmetic; suites: the suites' own "
-                        "instructions around standard-library function signatures and synthetic competition problems; calib: the "
-                        "prompts of the suites' calibration parts (257; never an evaluation prompt); champ: CHAMP's own prompt "
-                        "formats (partial solutions, hints, concepts) around its calibration problems (921)")
+                        "instructions around standard-library function signatures and synthetic competition problems; train: the "
+                        "prompts of the suites' training parts (257; never a calibration or evaluation prompt); champ: CHAMP's "
+                        "own prompt formats (partial solutions, hints, concepts) around its training-part problems (921); everyday: "
+                        "instructions, everyday questions, arithmetic word problems and editing tasks from templates")
     add_debug(parser)
     parser.set_defaults(run=run)
 

@@ -68,7 +68,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--heal-lr", type=_types.positive_float, default=5e-4, help="LoRA learning rate")
     parser.add_argument("--seed", type=_types.non_negative_int, default=0, help="seeds healing and the bootstrap")
     add_export_dtype_arg(parser)
-    parser.add_argument("--speed-suite", default="humaneval:eval", metavar="NAME[:calib|:eval] | FILE.jsonl",
+    parser.add_argument("--speed-suite", default="humaneval:eval", metavar="NAME[:train|:calib|:eval] | FILE.jsonl",
                         type=_types.suite_or_prompt_file,
                         help="held-out prompts of the measured speed check at the end (a built-in suite or a JSONL "
                         "prompt file): the unpruned and the final drafter against the target alone (live, async, "

@@ -78,7 +78,7 @@ def add_parser(subparsers) -> None:
                         help="write the summary as JSON ('-' = stdout)")
     add_model_args(parser)
     add_prompt_args(parser, default_suite="humaneval:calib", max_new_tokens=32, limit=None)
-    parser.add_argument("--eval-suite", default="humaneval:eval", metavar="NAME[:calib|:eval]", type=_types.suite,
+    parser.add_argument("--eval-suite", default="humaneval:eval", metavar="NAME[:train|:calib|:eval]", type=_types.suite,
                         help="built-in suite measuring every trial's final drafter")
     parser.add_argument("--eval-prompts", default=None, metavar="FILE.jsonl", type=_types.text_file,
                         help="JSONL evaluation prompts instead")
