@@ -14,8 +14,8 @@ import torch
 
 from models.errors import ConfigError
 from models.faults import fault_point
-from models.objective import Example
-from models.training import TrainConfig, train
+from prune.training.loss import Example
+from prune.training.loop import TrainConfig, train
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

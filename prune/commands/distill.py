@@ -1,6 +1,6 @@
 """`prune distill`: the target's own greedy responses to training prompts, stored as token ids."""
 
-from prune.distill import STYLES
+from prune.training.data import STYLES
 
 from . import _types
 from ._common import DTYPES, add_command, add_debug
@@ -45,7 +45,7 @@ def run(args) -> int:
     import sys
 
     from models.demo import resolve_demo_target
-    from prune.distill import generate_distillation_data
+    from prune.training.data import generate_distillation_data
 
     from ._common import quiet_libraries, resolve_device
 

@@ -1,6 +1,6 @@
 """`prune train-drafter`: train a block-diffusion drafter from scratch on distillation data."""
 
-from prune import train_drafter as _train
+from prune.training import driver as _train
 
 from ._common import add_command, add_debug
 

@@ -20,9 +20,10 @@ from typing import Callable
 
 import torch
 
-from .checkpoint import atomic_folder
-from .errors import CheckpointError, ConfigError
-from .objective import Example, build_batch, causal_lm, drafter_loss, sample_anchors
+from models.checkpoint import atomic_folder
+from models.errors import CheckpointError, ConfigError
+
+from .loss import Example, build_batch, causal_lm, drafter_loss, sample_anchors
 
 CHECKPOINT_STATE = "trainer_state.json"
 # Settings that may change between a run and its resumption without changing its result.

@@ -25,8 +25,8 @@ import math
 
 import torch
 
-from .drafter import create_drafter
-from .errors import ConfigError
+from models.drafter import create_drafter
+from models.errors import ConfigError
 
 
 class _Recorder:

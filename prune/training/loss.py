@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .errors import DataError
-from .inference import masked_logits
-from .masks import BlockSpec, batch_layouts, block_layout
+from models.errors import DataError
+from models.inference import masked_logits
+from models.masks import BlockSpec, batch_layouts, block_layout
 
 
 @dataclass

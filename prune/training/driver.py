@@ -58,8 +58,8 @@ def pca_embedding(source, width: int, std: float):
 
 def load_examples(folder: str | Path, partial: bool = False):
     """Distillation records as training `Example`s (prompt unsupervised, response supervised)."""
-    from models.objective import Example
-    from prune.distill import load_distillation_data
+    from prune.training.loss import Example
+    from prune.training.data import load_distillation_data
 
     records = load_distillation_data(folder, partial)
     return [Example.from_prompt_response(r["prompt_ids"], r["response_ids"]) for r in records if r["response_ids"]]
@@ -112,7 +112,7 @@ def heldout_callback(examples, config, eval_fn=None, batch_size: int = 16):
     """A `train` callback: loss, per-slot accuracy and acceptance proxy on `examples` with fixed anchors."""
     import torch
 
-    from models.objective import build_batch, causal_lm, drafter_loss
+    from prune.training.loss import build_batch, causal_lm, drafter_loss
 
     def callback(step, model):
         if not examples:
@@ -178,7 +178,7 @@ class BestWeights:
         import torch
 
         from models.checkpoint import atomic_file
-        from models.objective import causal_lm
+        from prune.training.loss import causal_lm
 
         def recording(step, model):
             metrics = callback(step, model)
@@ -196,7 +196,7 @@ class BestWeights:
         """Load the best weights into `model`; return {step, metric: score} for the provenance ({} if none)."""
         import torch
 
-        from models.objective import causal_lm
+        from prune.training.loss import causal_lm
 
         if not self.file.is_file():
             return {}
@@ -236,7 +236,7 @@ def build_initial_drafter(args: argparse.Namespace):
         raise ConfigError(f"the drafter would take {2 * params / 1e6:.1f} MB in bfloat16, over --max-mb "
                           f"{args.max_mb}; lower --hidden-size or --intermediate-size")
     if args.init == "slice":
-        from models.transplant import drafter_from_target
+        from prune.training.transplant import drafter_from_target
 
         # Calibration: the first training sequences of the data (deterministic), cropped like training.
         calibration = [ex.input_ids[: args.max_length] for ex in load_examples(args.data[0], args.partial_data)
@@ -274,7 +274,7 @@ def replay_tau(examples, count: int, max_new_tokens: int, stop_ids: tuple[int, .
     from decode.decoders import DecodeConfig, decode_speculative
     from decode.metrics import tau_per_prompt
     from decode.verifiers import ReplayVerifier
-    from models.objective import causal_lm
+    from prune.training.loss import causal_lm
 
     chosen = [ex for ex in examples if ex.loss_mask.any()][:count]
 
@@ -334,7 +334,7 @@ def _train_and_save(args: argparse.Namespace, out: Path, checkpoint_dir: Path, d
     import torch
 
     from models.drafter import load_drafter, save_drafter
-    from models.training import TrainConfig, train
+    from prune.training.loop import TrainConfig, train
 
     manifests = [read_manifest(folder) for folder in args.data]
     manifest = manifests[0]
@@ -365,7 +365,7 @@ def _train_and_save(args: argparse.Namespace, out: Path, checkpoint_dir: Path, d
     callback = heldout_callback(heldout, config, eval_fn)
     best = None
     if args.keep_best:
-        from models.training import CHECKPOINT_STATE
+        from prune.training.loop import CHECKPOINT_STATE
 
         best = BestWeights(checkpoint_dir, resuming=(checkpoint_dir / CHECKPOINT_STATE).is_file())
         callback = best.wrap(callback)
