@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from prune.training.data import collect_training_prompts, generate_distillation_data, load_distillation_data
+from prune.training.data import generate_distillation_data, load_distillation_data
+from prune.training.prompts import collect_training_prompts
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -35,7 +36,7 @@ class Counter:
 
 def test_no_evaluation_prompt_in_training_prompts():
     from models.errors import D3DError
-    from prune.training.data import evaluation_prompts
+    from prune.training.prompts import evaluation_prompts
 
     try:
         eval_texts = evaluation_prompts(strict=True)
@@ -51,7 +52,7 @@ def test_no_evaluation_prompt_in_training_prompts():
 def test_calib_style_is_the_suites_calibration_parts_and_no_evaluation_prompt():
     from decode.suites import SUITES, load_suite
     from models.errors import ConfigError, D3DError
-    from prune.training.data import evaluation_prompts
+    from prune.training.prompts import evaluation_prompts
 
     try:
         held_out = evaluation_prompts(strict=True, part="eval")
@@ -94,7 +95,7 @@ def test_champ_style_is_champ_formats_on_calibration_problems_only():
 
 
 def test_overlap_filter_drops_prompts_that_contain_an_evaluation_prompt():
-    from prune.training.data import drop_evaluation_overlap
+    from prune.training.prompts import drop_evaluation_overlap
 
     prompts = [{"prompt": "Explain:\n\ndef f(x):\n    return x"}, {"prompt": "What is 2 * 3?"}, {"prompt": "hello"}]
     kept = drop_evaluation_overlap(prompts, ["def f(x):\n    return x", "hello"])
