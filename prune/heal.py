@@ -1,6 +1,6 @@
-"""Healing after layer removal: a short LoRA fine-tune with the drafter's own objective, then merged.
+"""Healing after layer removal: a short LoRA fine-tune with the drafter's own training loss, then merged.
 
-The adapter (peft) trains on the distillation data with `models.training.train` and the block-diffusion
+The adapter (peft) trains on the distillation data with `prune.training.loop.train` and the block-diffusion
 loss, and is merged into the weights with `merge_and_unload`, so the healed drafter is again a plain
 `Qwen3ForCausalLM` that saves and loads without peft. The caller decides whether to keep the result
 (docs/design.md, Progressive pruning: keep the pre-heal weights when a heal lowers tau).
@@ -14,8 +14,9 @@ import torch
 
 from models.errors import ConfigError
 from models.faults import fault_point
-from models.objective import Example
-from models.training import TrainConfig, train
+from prune.training.config import TrainConfig
+from prune.training.loop import train
+from prune.training.loss import Example
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

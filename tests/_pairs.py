@@ -88,8 +88,9 @@ def trained_drafter(block_size: int = 8, steps: int = 150, seed: int = 0, target
                     target_hidden: int = 48, num_layers: int = 2):
     """A 2-layer drafter trained on greedy continuations of `bigram_target()`; returns (target, drafter)."""
     from decode.decoders import DecodeConfig, decode_ar
-    from models.objective import Example
-    from models.training import TrainConfig, train
+    from prune.training.config import TrainConfig
+    from prune.training.loop import train
+    from prune.training.loss import Example
 
     target = bigram_target(layers=target_layers, hidden=target_hidden)
     generator = torch.Generator().manual_seed(seed)

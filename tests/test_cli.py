@@ -392,8 +392,8 @@ def test_train_drafter_command_from_an_initial_drafter(tmp_path, capsys):
 
 
 def test_train_drafter_keep_best_returns_the_weights_of_the_best_evaluation(tmp_path):
-    from models.objective import causal_lm
-    from prune.train_drafter import BestWeights
+    from prune.training.driver import BestWeights
+    from prune.training.loss import causal_lm
 
     model = build_tiny_drafter(num_hidden_layers=1, block_size=4)
     scores = {1: 0.5, 2: 2.0, 3: 1.0}  # the proxy peaks at step 2, then falls
@@ -418,7 +418,8 @@ def test_train_drafter_keep_best_returns_the_weights_of_the_best_evaluation(tmp_
 
 def test_train_drafter_weights_several_data_folders_and_never_trains_on_held_out_ones(tmp_path, capsys):
     from models.errors import ConfigError, DataError
-    from prune.train_drafter import data_weights, split_examples
+    from prune.training.data import split_examples
+    from prune.training.driver import data_weights
 
     folders = []
     for name, count, target in (("a", 6, "t1"), ("b", 4, "t1"), ("c", 3, "t2")):

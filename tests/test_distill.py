@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from prune.distill import collect_training_prompts, generate_distillation_data, load_distillation_data
+from prune.training.data import generate_distillation_data, load_distillation_data
+from prune.training.prompts import collect_training_prompts
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -36,7 +37,7 @@ class Counter:
 
 def test_no_evaluation_prompt_in_training_prompts():
     from models.errors import D3DError
-    from prune.distill import evaluation_prompts
+    from prune.training.prompts import evaluation_prompts
 
     try:
         eval_texts = evaluation_prompts(strict=True)
@@ -52,7 +53,7 @@ def test_no_evaluation_prompt_in_training_prompts():
 def test_train_style_is_the_suites_training_parts_and_no_held_out_prompt():
     from decode.suites import HELD_OUT_PARTS, SUITES, load_suite
     from models.errors import ConfigError, D3DError
-    from prune.distill import evaluation_prompts
+    from prune.training.prompts import evaluation_prompts
 
     try:
         held_out = evaluation_prompts(strict=True, parts=HELD_OUT_PARTS)
@@ -96,7 +97,7 @@ def test_champ_style_is_champ_formats_on_training_part_problems_only():
 
 
 def test_overlap_filter_drops_prompts_that_contain_an_evaluation_prompt():
-    from prune.distill import drop_evaluation_overlap
+    from prune.training.prompts import drop_evaluation_overlap
 
     prompts = [{"prompt": "Explain:\n\ndef f(x):\n    return x"}, {"prompt": "What is 2 * 3?"}, {"prompt": "hello"}]
     kept = drop_evaluation_overlap(prompts, ["def f(x):\n    return x", "hello"])
@@ -185,7 +186,7 @@ def test_generation_writes_shards_and_a_restart_skips_them(tmp_path, monkeypatch
     lost = (out / "shard-00001.jsonl").read_text()
     os.remove(out / "shard-00001.jsonl")
     calls = []
-    import prune.distill as distill
+    import prune.training.data as distill
 
     real = distill._generate
     monkeypatch.setattr(distill, "_generate", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
@@ -205,8 +206,8 @@ def test_generation_writes_shards_and_a_restart_skips_them(tmp_path, monkeypatch
 
 def test_everyday_style_is_seeded_distinct_balanced_and_never_a_suite_prompt():
     from models.errors import ConfigError, D3DError
-    from prune.distill import evaluation_prompts
-    from prune.everyday import KINDS, everyday_prompts
+    from prune.training.everyday import KINDS, everyday_prompts
+    from prune.training.prompts import evaluation_prompts
 
     prompts = collect_training_prompts(400, seed=3, style="everyday")
     assert prompts == everyday_prompts(400, seed=3) == collect_training_prompts(400, seed=3, style="everyday")

@@ -336,7 +336,7 @@ def distill_setup(tmp_path_factory):
 
 
 def distill(root: Path, out: Path) -> int:
-    from prune.distill import generate_distillation_data
+    from prune.training.data import generate_distillation_data
 
     generate_distillation_data(root / "target", out, num_prompts=6, max_new_tokens=6, batch_size=2, shard_size=2,
                                progress=False, stdlib_dir=root / "stdlib")

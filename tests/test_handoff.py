@@ -13,7 +13,7 @@ from conftest import build_tiny_drafter, export_interrupted_at
 from decode.decoders import DecodeConfig
 from models.checkpoint import atomic_write_text
 from models.drafter import load_drafter, save_drafter
-from models.objective import Example
+from prune.training.loss import Example
 from prune.cli import main
 from prune.commands.run import summary_lines
 from prune.heal import HealConfig

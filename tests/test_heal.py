@@ -5,7 +5,7 @@ import torch
 
 from conftest import build_tiny_drafter
 from models.drafter import load_drafter, save_drafter
-from models.objective import Example
+from prune.training.loss import Example
 from prune.heal import HealConfig, add_lora, heal
 
 

@@ -10,7 +10,7 @@ from conftest import export_interrupted_at
 from decode.decoders import DecodeConfig
 from models.drafter import save_drafter
 from models.errors import CheckpointError, ConfigError
-from models.objective import Example
+from prune.training.loss import Example
 from prune.heal import HealConfig
 from prune.progressive import RunConfig, run_pruning
 from prune.scoring import ScoreConfig, record_trajectories

@@ -17,7 +17,7 @@ from _pairs import prompt_ids, save_tiny_pair, trained_drafter
 from decode.decoders import DecodeConfig
 from models.drafter import save_drafter
 from models.errors import CheckpointError, ConfigError
-from models.objective import Example
+from prune.training.loss import Example
 from prune.cli import main
 from prune.heal import HealConfig
 from prune.scoring import ScoreConfig, record_trajectories

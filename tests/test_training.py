@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from models.errors import ConfigError
-from models.objective import Example, build_batch, drafter_loss
-from models.training import TrainConfig, lr_factor, train
+from prune.training.config import TrainConfig
+from prune.training.loop import lr_factor, train
+from prune.training.loss import Example, build_batch, drafter_loss
 
 B = 4
 

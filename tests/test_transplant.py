@@ -1,4 +1,4 @@
-"""models.transplant: slicing a wide target into a drafter.
+"""prune.training.transplant: slicing a wide target into a drafter.
 
 At full width with one key/value group and all neurons the slice is a pure rotation of the residual
 stream, so the drafter must compute the target's logits; narrower slices must give a valid drafter.
@@ -11,7 +11,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from _pairs import TINY_REAL_VOCAB, prompt_ids, tiny_target
 from models.drafter import load_drafter, save_drafter, validate_config
 from models.errors import ConfigError
-from models.transplant import drafter_from_target
+from prune.training.transplant import drafter_from_target
 
 VOCAB, MASK = 128, TINY_REAL_VOCAB
 

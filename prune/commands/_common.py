@@ -165,8 +165,7 @@ def heal_examples(args) -> tuple[list | None, str | None]:
     An unfinished generation is used as far as it goes, with a note: healing needs examples, not all of them.
     """
     from models.demo import DEMO_DISTILL_DIR
-    from prune.distill import MANIFEST
-    from prune.train_drafter import load_examples
+    from prune.training.data import MANIFEST, load_examples
 
     folder = args.heal_data
     if folder is None and args.drafter is None and (DEMO_DISTILL_DIR / MANIFEST).is_file():

@@ -186,7 +186,7 @@ def target_path(text: str) -> str:
 
 def data_dir(text: str) -> str:
     """A distillation data folder written by `prune distill` (it holds manifest.json)."""
-    from prune.distill import MANIFEST
+    from prune.training.data import MANIFEST
 
     if not (_folder(text) / MANIFEST).is_file():
         _reject(f"{text} holds no distillation data (no {MANIFEST}); give a folder written by prune distill")

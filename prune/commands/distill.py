@@ -1,6 +1,7 @@
 """`prune distill`: the target's own greedy responses to training prompts, stored as token ids."""
 
-from prune.distill import STYLES
+from prune.training.data import DISTILL_DEFAULTS as DEFAULTS
+from prune.training.prompts import STYLES
 
 from . import _types
 from ._common import DTYPES, add_command, add_debug
@@ -23,16 +24,18 @@ def add_parser(subparsers) -> None:
                         help="target model folder (default: the demo target)")
     parser.add_argument("--cache-dir", default=None, type=_types.output_dir,
                         help="demo target cache (default: $D3D_PRUNE_CACHE or ~/.cache/d3d-prune)")
-    parser.add_argument("--num-prompts", type=_types.positive_int, default=2000, help="training prompts to answer")
-    parser.add_argument("--max-new-tokens", type=_types.positive_int, default=128,
+    parser.add_argument("--num-prompts", type=_types.positive_int, default=DEFAULTS["num_prompts"],
+                        help="training prompts to answer")
+    parser.add_argument("--max-new-tokens", type=_types.positive_int, default=DEFAULTS["max_new_tokens"],
                         help="response length cap (EOS ends earlier)")
-    parser.add_argument("--batch-size", type=_types.positive_int, default=16, help="prompts per generate call")
-    parser.add_argument("--shard-size", type=_types.positive_int, default=64,
+    parser.add_argument("--batch-size", type=_types.positive_int, default=DEFAULTS["batch_size"],
+                        help="prompts per generate call")
+    parser.add_argument("--shard-size", type=_types.positive_int, default=DEFAULTS["shard_size"],
                         help="prompts per shard (the unit of resumption)")
     parser.add_argument("--device", default="cpu", type=_types.device, help="torch device")
-    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="target dtype while generating")
-    parser.add_argument("--seed", type=_types.non_negative_int, default=0, help="selects the prompts")
-    parser.add_argument("--style", choices=STYLES, default="general",
+    parser.add_argument("--dtype", choices=DTYPES, default=DEFAULTS["dtype"], help="target dtype while generating")
+    parser.add_argument("--seed", type=_types.non_negative_int, default=DEFAULTS["seed"], help="selects the prompts")
+    parser.add_argument("--style", choices=STYLES, default=DEFAULTS["style"],
                         help="general: varied tasks on standard-library code and arithmetic; suites: the suites' own "
                         "instructions around standard-library function signatures and synthetic competition problems; train: the "
                         "prompts of the suites' training parts (257; never a calibration or evaluation prompt); champ: CHAMP's "
@@ -46,7 +49,7 @@ def run(args) -> int:
     import sys
 
     from models.demo import resolve_demo_target
-    from prune.distill import generate_distillation_data
+    from prune.training.data import generate_distillation_data
 
     from ._common import quiet_libraries, resolve_device
 

@@ -1,11 +1,12 @@
-"""Distillation data: the target's own greedy responses to training prompts kept apart from evaluation.
+"""Training prompts for distillation data (`prune.training.data`), kept apart from evaluation.
 
 Prompts come from real text that no evaluation suite uses: functions, docstrings and code windows of the
 CPython standard library on this machine (code completion, explanation, tests, review, continuation,
 instruction-following on documentation), plus a small share of synthetic arithmetic word problems.
 In these styles none come from HumanEval, MT-Bench or CHAMP; when those suites load, any prompt that
 contains one of their prompts is dropped as well (the `train` and `champ` styles below take suite prompts
-on purpose, from the suites' training parts, and drop any prompt of a held-out part). Selection is a pure function of (stdlib contents, number, seed, style).
+on purpose, from the suites' training parts, and drop any prompt of a held-out part). Selection is a pure
+function of (stdlib contents, number, seed, style).
 
 Five styles. `general` (above) teaches the drafter the target's voice on varied tasks. `suites` asks in
 the exact wording of the suites' instructions, on material of our own: "Complete the following Python
@@ -24,28 +25,16 @@ champ_prompt_variants`: with partial solutions, hints, relevant or misleading co
 explain a concept; 921 distinct prompts): more of the target's math answers in the suite's wording than
 the 135 plain prompts give, with no evaluation problem in them (formats quoting other problems are left out).
 `everyday` is neither code nor competition math: instructions, everyday questions, arithmetic word problems
-and editing tasks from templates of our own (prune/everyday.py), for users whose traffic is general chat.
-
-Responses are the target's greedy continuations of the chat-templated prompt (templated exactly as the
-decoders do it, through `decode.prompts.tokenize_records`), batched with left padding, cut after the
-first EOS or at `max_new_tokens`. Output folder:
-
-    manifest.json        settings; a restart with other settings is refused
-    shard-00000.jsonl    one record per prompt: id, source, prompt, prompt_ids, response_ids, stopped
-    ...                  each shard is written atomically; a restarted run skips finished shards
+and editing tasks from templates of our own (prune/training/everyday.py), for users whose traffic is general chat.
 """
 
 import ast
 import functools
-import hashlib
-import json
 import os
 import random
 import sysconfig
 from pathlib import Path
 
-MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "turtledemo",
              "pydoc_data", "encodings", "lib2to3", "ensurepip", "config-3", "tkinter"}
 MAX_SNIPPET_LINES, MAX_SNIPPET_CHARS = 40, 1600
@@ -221,7 +210,7 @@ def _competition_prompt(rng: random.Random, index: int) -> dict:
             "prompt": CHAMP_INSTRUCTION.format(text=text)}
 
 
-STYLES = ("general", "suites", "train", "champ", "everyday")
+STYLES = ("general", "suites", "train", "champ", "everyday")  # the first is the default
 # Styles made of suite material: checked against the held-out parts only, and strictly (no suites, no data).
 SUITE_STYLES = ("train", "champ")
 
@@ -256,7 +245,7 @@ def _seeded_draw(records: list[dict], num_prompts: int, seed: int, style: str, w
 
 def collect_training_prompts(
     num_prompts: int, seed: int = 0, stdlib_dir: str | os.PathLike | None = None, math_share: float = 0.1,
-    style: str = "general",
+    style: str = STYLES[0],
 ) -> list[dict]:
     """`num_prompts` distinct prompt records `{id, source, prompt}`, deterministic for (stdlib, seed, style).
 
@@ -264,7 +253,7 @@ def collect_training_prompts(
     pass repeats with more prompts per file when the library is exhausted. `style="suites"` draws half
     competition problems and half function signatures (see the module docstring); `math_share` is then unused.
     `style="train"`, `"champ"` and `"everyday"` read no library: see `training_part_prompts`,
-    `champ_variant_prompts`, `prune.everyday.everyday_prompts`.
+    `champ_variant_prompts`, `prune.training.everyday.everyday_prompts`.
     """
     from models.errors import ConfigError, DataError
 
@@ -275,7 +264,7 @@ def collect_training_prompts(
     if style == "champ":
         return champ_variant_prompts(num_prompts, seed)
     if style == "everyday":
-        from prune.everyday import everyday_prompts
+        from prune.training.everyday import everyday_prompts
 
         return everyday_prompts(num_prompts, seed)
     root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"]).resolve()
@@ -355,85 +344,9 @@ def drop_evaluation_overlap(prompts: list[dict], eval_texts: list[str]) -> list[
     return [p for p in prompts if not any(text in p["prompt"] for text in eval_texts)]
 
 
-def _digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
-def generate_distillation_data(
-    target_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    num_prompts: int = 2000,
-    max_new_tokens: int = 256,
-    batch_size: int = 16,
-    device: str = "cpu",
-    dtype: str = "float32",
-    seed: int = 0,
-    shard_size: int = 256,
-    progress: bool = True,
-    stdlib_dir: str | os.PathLike | None = None,
-    style: str = "general",
-) -> Path:
-    """Generate (or finish) a distillation data folder; returns `out_dir`.
-
-    Args:
-        target_dir: a target model folder with tokenizer files (e.g. `models.demo.resolve_demo_target()`).
-        num_prompts: training prompts; max_new_tokens: response cap (responses stop earlier at EOS).
-        batch_size: prompts per `generate` call; device, dtype ("float32" / "bfloat16"): where it runs.
-        seed, style: select the prompts (see `collect_training_prompts`).
-        shard_size: prompts per shard file (the unit of resumption).
-
-    Holds the lock of `out_dir` (models.lock) while it runs: a second generation into the same folder fails
-    at once. Responses are greedy and shards are written atomically, so a generation killed at any moment
-    and rerun ends with the same files as one never interrupted.
-    """
-    import torch
-
-    from decode.prompts import tokenize_records
-    from models.checkpoint import atomic_write_text, sha256_file
-    from models.errors import ConfigError, DataError
-    from models.lock import output_lock
-    from models.target import load_tokenizer
-
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype not in dtypes:
-        raise ConfigError(f"dtype {dtype!r} is not supported; choose one of {', '.join(dtypes)} (--dtype)")
-    if min(num_prompts, max_new_tokens, batch_size, shard_size) < 1:
-        raise ConfigError("num_prompts, max_new_tokens, batch_size and shard_size must all be >= 1")
-    target_dir, out_dir = Path(target_dir), Path(out_dir)
-    with output_lock(out_dir):
-        tokenizer = load_tokenizer(target_dir)
-        if tokenizer is None:
-            raise DataError(f"target {target_dir} has no tokenizer files; distillation needs the target's tokenizer")
-        prompts, eval_texts = _select_prompts(num_prompts, seed, stdlib_dir, style)
-        weights = target_dir / "model.safetensors"
-        settings = {
-            "format": FORMAT_VERSION,
-            "target_weights_sha256": sha256_file(weights) if weights.is_file() else None,
-            "num_prompts": len(prompts),
-            "max_new_tokens": max_new_tokens,
-            "dtype": dtype,
-            "seed": seed,
-            "style": style,
-            "shard_size": shard_size,
-            "prompts_sha256": _digest([p["prompt"] for p in prompts]),
-        }
-        _check_manifest(out_dir, settings)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        record = {**settings, "target": str(target_dir), "eval_filter": eval_texts is not None,
-                  "eval_prompts_checked": len(eval_texts or []), "shards": -(-len(prompts) // shard_size)}
-        atomic_write_text(out_dir / MANIFEST, json.dumps(record, indent=2, sort_keys=True) + "\n")
-        records = [{**p, "prompt_ids": ids.input_ids}
-                   for p, ids in zip(prompts, tokenize_records([{"id": p["id"], "prompt": p["prompt"]} for p in prompts],
-                                                               tokenizer))]
-        shards = [records[i : i + shard_size] for i in range(0, len(records), shard_size)]
-        _answer_shards(target_dir, out_dir, shards, tokenizer, dtypes[dtype], device, max_new_tokens, batch_size,
-                       progress)
-    return out_dir
-
-
-def _select_prompts(num_prompts: int, seed: int, stdlib_dir, style: str) -> tuple[list[dict], list[str] | None]:
+def select_training_prompts(num_prompts: int, seed: int, stdlib_dir, style: str) -> tuple[list[dict], list[str] | None]:
     """(`num_prompts` training prompt records with no evaluation prompt in them, the evaluation texts checked
-    against or None when the suites could not be loaded)."""
+    against or None when the suites could not be loaded); what `generate_distillation_data` answers."""
     from decode.suites import HELD_OUT_PARTS
 
     # The train and champ styles consist of suite material: checked against the held-out parts only.
@@ -446,107 +359,3 @@ def _select_prompts(num_prompts: int, seed: int, stdlib_dir, style: str) -> tupl
         if len(kept) >= num_prompts:
             return kept[:num_prompts], eval_texts
         asked += 2 * (num_prompts - len(kept))
-
-
-def _check_manifest(out_dir: Path, settings: dict) -> None:
-    """Refuse a folder whose manifest records other settings (a restart must finish the same data)."""
-    from models.errors import CheckpointError
-
-    manifest = out_dir / MANIFEST
-    if not manifest.is_file():
-        return
-    old = json.loads(manifest.read_text())
-    changed = sorted(k for k in settings if old.get(k, "general" if k == "style" else None) != settings[k])
-    if changed:
-        raise CheckpointError(f"{out_dir} holds distillation data made with other settings ({', '.join(changed)});"
-                              " rerun with the same settings to finish it, or choose another output folder")
-
-
-def _answer_shards(target_dir: Path, out_dir: Path, shards: list[list[dict]], tokenizer, dtype, device,
-                   max_new_tokens: int, batch_size: int, progress: bool) -> None:
-    """Answer the prompt records of every shard not yet on disk with the target and write each shard file."""
-    from models.checkpoint import atomic_write_text
-    from models.target import load_target
-    from prune.progress import progress_bar
-
-    todo = [n for n in range(len(shards)) if not (out_dir / f"shard-{n:05d}.jsonl").is_file()]
-    if not todo:
-        return
-    model = load_target(target_dir, dtype=dtype, device=device)
-    eos = _eos_ids(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    done = sum(len(shards[n]) for n in range(len(shards)) if n not in todo)
-    with progress_bar("distill", sum(map(len, shards)), progress) as advance:
-        advance(done)
-        for n in todo:
-            shard = shards[n]
-            order = sorted(range(len(shard)), key=lambda i: len(shard[i]["prompt_ids"]))
-            for start in range(0, len(order), batch_size):
-                rows = [shard[i] for i in order[start : start + batch_size]]
-                responses = _generate(model, [r["prompt_ids"] for r in rows], max_new_tokens, eos, pad_id, device)
-                for row, (ids, stopped) in zip(rows, responses):
-                    row["response_ids"], row["stopped"] = ids, stopped
-                advance(len(rows))
-            atomic_write_text(out_dir / f"shard-{n:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in shard))
-
-
-def _eos_ids(model, tokenizer) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-        eos.append(tokenizer.eos_token_id)
-    return eos
-
-
-def _generate(model, prompts: list[list[int]], max_new_tokens: int, eos: list[int], pad_id: int, device):
-    """Greedy responses `[(ids, stopped_at_eos)]` for a left-padded batch of prompt id lists."""
-    import torch
-    from transformers import GenerationConfig
-
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(prompts), width), dtype=torch.long)
-    for r, ids in enumerate(prompts):
-        input_ids[r, width - len(ids) :] = torch.tensor(ids)
-        attention[r, width - len(ids) :] = 1
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad_id)
-    with torch.no_grad():
-        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
-                             generation_config=config)
-    results = []
-    for row in out[:, width:].tolist():
-        cut = next((i for i, tok in enumerate(row) if tok in eos), None)
-        results.append((row[: cut + 1], True) if cut is not None else (row, False))
-    return results
-
-
-def load_distillation_data(folder: str | os.PathLike, partial: bool = False) -> list[dict]:
-    """All records of a finished distillation folder, in prompt order.
-
-    Args:
-        partial: accept an unfinished folder and return the leading run of finished shards.
-    """
-    from models.errors import DataError
-
-    folder = Path(folder)
-    if not (folder / MANIFEST).is_file():
-        raise DataError(f"{folder} has no {MANIFEST}; generate distillation data there first")
-    manifest = json.loads((folder / MANIFEST).read_text())
-    records = []
-    for n in range(manifest["shards"]):
-        shard = folder / f"shard-{n:05d}.jsonl"
-        if not shard.is_file():
-            if partial and records:
-                break
-            raise DataError(f"{folder} is incomplete ({shard.name} is missing); rerun the generation to finish it")
-        records += [json.loads(line) for line in shard.read_text().splitlines() if line.strip()]
-    return records
-
-
-
-def training_prompt_set(folder: str | os.PathLike, partial: bool = False) -> dict:
-    """The prompts of a distillation folder as one set of a drafter's training record (models/provenance.py),
-    named after the folder; `partial` as in `load_distillation_data` (what a `--partial-data` run read)."""
-    from models.provenance import prompt_set
-
-    return prompt_set(Path(folder).name, [record["prompt"] for record in load_distillation_data(folder, partial)])

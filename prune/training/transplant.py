@@ -19,14 +19,16 @@ drafter of width d < D with H/G query heads and one key/value head (one group), 
 
 The result is not a good language model by itself (a third of the width is kept), but it starts training
 from the target's features instead of noise; `prune train-drafter --init slice` (the default) uses it.
+`--init pca` takes only the embedding from the target, projected onto its own top principal components
+(`pca_embedding`); both fix the signs of principal directions the same way (`principal_directions`).
 """
 
 import math
 
 import torch
 
-from .drafter import create_drafter
-from .errors import ConfigError
+from models.drafter import create_drafter
+from models.errors import ConfigError
 
 
 class _Recorder:
@@ -138,8 +140,6 @@ def drafter_from_target(
     """
     tc = target.config
     width, heads, groups = tc.hidden_size, tc.num_attention_heads, tc.num_key_value_heads
-    head_dim = getattr(tc, "head_dim", None) or width // heads
-    per_group = heads // groups
     if hidden_size > width or intermediate_size > tc.intermediate_size:
         raise ConfigError(f"cannot slice a width-{width}/MLP-{tc.intermediate_size} target into "
                           f"{hidden_size}/{intermediate_size}; choose sizes no larger than the target's")
@@ -148,11 +148,7 @@ def drafter_from_target(
     target = target.float().eval()
 
     first = _run(target, calibration)
-    cov = first.cov / max(1, first.tokens)
-    values, vectors = torch.linalg.eigh(cov)
-    basis = vectors[:, -hidden_size:].flip(-1)  # (D, d), leading directions first
-    basis = basis * torch.sign(basis[basis.abs().argmax(0), torch.arange(hidden_size)])
-    kept_variance = float(values[-hidden_size:].sum() / values.sum())
+    basis, kept_variance = principal_directions(first.cov / max(1, first.tokens), hidden_size)  # (D, d)
     second = _run(target, calibration, basis)
     scale = {name: math.sqrt(width / hidden_size) * s / n for name, (s, n) in second.kept.items()}
     Q = basis.float()
@@ -162,51 +158,92 @@ def drafter_from_target(
     drafter = create_drafter(
         vocab_size=vocab_size, mask_token_id=mask_token_id, block_size=block_size,
         num_hidden_layers=num_hidden_layers, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_attention_heads=per_group, num_key_value_heads=1, head_dim=head_dim,
+        num_attention_heads=heads // groups, num_key_value_heads=1, head_dim=first.head_dim,
         draft_vocab_size=min(mask_token_id, tc.vocab_size), seed=seed, tie_word_embeddings=True,
         rope_parameters=dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),
         rms_norm_eps=tc.rms_norm_eps, max_position_embeddings=tc.max_position_embeddings,
     )
-    chosen_groups, chosen = [], {}
+    chosen_groups = []
     for i, layer in enumerate(drafter.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
         if i >= source_layers:  # an extra layer: identity at the start
-            attn.o_proj.weight.zero_()
-            mlp.down_proj.weight.zero_()
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
             continue
-        src = target.model.layers[i]
-        g = int(first.group_out[i].argmax())
-        chosen_groups.append(g)
-        q_rows = torch.arange(g * per_group * head_dim, (g + 1) * per_group * head_dim)
-        kv_rows = torch.arange(g * head_dim, (g + 1) * head_dim)
-        gain_in = src.input_layernorm.weight.float()
-        attn.q_proj.weight.copy_(src.self_attn.q_proj.weight[q_rows] * gain_in @ Q)
-        attn.k_proj.weight.copy_(src.self_attn.k_proj.weight[kv_rows] * gain_in @ Q)
-        attn.v_proj.weight.copy_(src.self_attn.v_proj.weight[kv_rows] * gain_in @ Q)
-        attn.o_proj.weight.copy_(Q.T @ src.self_attn.o_proj.weight[:, q_rows])
-        if hasattr(src.self_attn, "q_norm"):  # a Qwen3 source normalises q and k itself
-            attn.q_norm.weight.copy_(src.self_attn.q_norm.weight)
-            attn.k_norm.weight.copy_(src.self_attn.k_norm.weight)
-        else:
-            attn.q_norm.weight.fill_(float(first.q_rms[i, g * per_group : (g + 1) * per_group].mean() / n_tokens))
-            attn.k_norm.weight.fill_(float(first.k_rms[i, g] / n_tokens))
-        neurons = first.neuron[i].topk(intermediate_size).indices.sort().values
-        chosen[i] = neurons
-        gain_post = src.post_attention_layernorm.weight.float()
-        mlp.gate_proj.weight.copy_(src.mlp.gate_proj.weight[neurons] * gain_post @ Q)
-        mlp.up_proj.weight.copy_(src.mlp.up_proj.weight[neurons] * gain_post @ Q)
-        mlp.down_proj.weight.copy_(Q.T @ src.mlp.down_proj.weight[:, neurons])
-        layer.input_layernorm.weight.fill_(scale[f"{i}.input"])
-        layer.post_attention_layernorm.weight.fill_(scale[f"{i}.post"])
-    gain_final = target.model.norm.weight.float()
-    drafter.model.norm.weight.copy_(scale["final"] * ((Q * gain_final[:, None]) * Q).sum(0))
-    embed = target.get_input_embeddings().weight.float() @ Q  # (V_target, d)
-    table = drafter.get_input_embeddings().weight
-    rows = min(embed.shape[0], table.shape[0])
-    table[:rows].copy_(embed[:rows])
-    table[rows:].copy_(embed.mean(0, keepdim=True).expand(table.shape[0] - rows, -1))
+        chosen_groups.append(_slice_layer(layer, target.model.layers[i], first, i, Q, scale, n_tokens))
+    _slice_ends(drafter, target, Q, scale["final"])
     stats = {"kept_variance": round(kept_variance, 4), "kv_groups": chosen_groups,
              "norm_scales": {k: round(v, 4) for k, v in sorted(scale.items())},
              "source_layers": source_layers, "calibration_sequences": len(calibration),
              "calibration_tokens": int(n_tokens)}
     return drafter.eval(), stats
+
+
+def _slice_layer(layer: torch.nn.Module, src: torch.nn.Module, stats: _Recorder, i: int, Q: torch.Tensor,
+                 scale: dict[str, float], n_tokens: int) -> int:
+    """Fill drafter layer `layer` from target layer `src` (number `i`); returns the key/value group kept.
+
+    Q: float32 `(D, d)`, the residual basis; stats: the first calibration pass; scale: per-norm scalar
+    gains; n_tokens: calibration tokens (stats sums per-token RMS over them). The group with the largest
+    output keeps its query heads, key and value head; the MLP keeps the `intermediate` neurons with the
+    largest mean |activation| x ||down_proj column||; norm gains are folded into the matrices reading them.
+    """
+    attn, mlp, source = layer.self_attn, layer.mlp, src.self_attn
+    per_group, head_dim = stats.heads // stats.groups, stats.head_dim
+    g = int(stats.group_out[i].argmax())
+    q_rows = torch.arange(g * per_group * head_dim, (g + 1) * per_group * head_dim)
+    kv_rows = torch.arange(g * head_dim, (g + 1) * head_dim)
+    gain_in = src.input_layernorm.weight.float()  # (D,)
+    attn.q_proj.weight.copy_(source.q_proj.weight[q_rows] * gain_in @ Q)
+    attn.k_proj.weight.copy_(source.k_proj.weight[kv_rows] * gain_in @ Q)
+    attn.v_proj.weight.copy_(source.v_proj.weight[kv_rows] * gain_in @ Q)
+    attn.o_proj.weight.copy_(Q.T @ source.o_proj.weight[:, q_rows])
+    if hasattr(source, "q_norm"):  # a Qwen3 source normalises q and k itself
+        attn.q_norm.weight.copy_(source.q_norm.weight)
+        attn.k_norm.weight.copy_(source.k_norm.weight)
+    else:
+        attn.q_norm.weight.fill_(float(stats.q_rms[i, g * per_group : (g + 1) * per_group].mean() / n_tokens))
+        attn.k_norm.weight.fill_(float(stats.k_rms[i, g] / n_tokens))
+    neurons = stats.neuron[i].topk(mlp.gate_proj.out_features).indices.sort().values
+    gain_post = src.post_attention_layernorm.weight.float()  # (D,)
+    mlp.gate_proj.weight.copy_(src.mlp.gate_proj.weight[neurons] * gain_post @ Q)
+    mlp.up_proj.weight.copy_(src.mlp.up_proj.weight[neurons] * gain_post @ Q)
+    mlp.down_proj.weight.copy_(Q.T @ src.mlp.down_proj.weight[:, neurons])
+    layer.input_layernorm.weight.fill_(scale[f"{i}.input"])
+    layer.post_attention_layernorm.weight.fill_(scale[f"{i}.post"])
+    return g
+
+
+def _slice_ends(drafter: torch.nn.Module, target: torch.nn.Module, Q: torch.Tensor, final_scale: float) -> None:
+    """The final norm (the target's gain seen through Q `(D, d)`, rescaled) and the tied embedding E Q; the
+    drafter's rows past the target's vocabulary (the mask id, padding) start at the mean embedding."""
+    gain_final = target.model.norm.weight.float()
+    drafter.model.norm.weight.copy_(final_scale * ((Q * gain_final[:, None]) * Q).sum(0))
+    embed = target.get_input_embeddings().weight.float() @ Q  # (V_target, d)
+    table = drafter.get_input_embeddings().weight
+    rows = min(embed.shape[0], table.shape[0])
+    table[:rows].copy_(embed[:rows])
+    table[rows:].copy_(embed.mean(0, keepdim=True).expand(table.shape[0] - rows, -1))
+
+
+def principal_directions(cov: torch.Tensor, width: int) -> tuple[torch.Tensor, float]:
+    """The top-`width` eigenvectors of the symmetric `cov` `(D, D)`, leading first, and the fraction of the
+    trace they keep.
+
+    Deterministic: each direction's sign makes its largest entry positive. Returns `(D, width)` in cov's dtype.
+    """
+    values, vectors = torch.linalg.eigh(cov)  # ascending
+    vectors = vectors[:, -width:].flip(-1)
+    signs = torch.sign(vectors[vectors.abs().argmax(0), torch.arange(vectors.shape[1])])
+    return vectors * signs, float(values[-width:].sum() / values.sum())
+
+
+def pca_embedding(source: torch.Tensor, width: int, std: float) -> tuple[torch.Tensor, float]:
+    """Project `source` `(vocab, d)` onto its top-`width` principal components; rescale to `std` (`--init pca`).
+
+    Returns float32 `(vocab, width)` and the fraction of variance kept.
+    """
+    x = source.detach().float()
+    x = x - x.mean(0, keepdim=True)
+    directions, kept = principal_directions(x.T @ x / x.shape[0], width)
+    projected = x @ directions
+    return projected * (std / projected.std()), kept

@@ -1,4 +1,4 @@
-"""The training objective: inference geometry, slot weights, padding invariance."""
+"""The training loss: inference geometry, slot weights, padding invariance."""
 
 import math
 
@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from models.inference import drafter_hidden, masked_logits
 from models.masks import BlockSpec, batch_layouts, block_layout
-from models.objective import Example, build_batch, drafter_loss, sample_anchors, slot_weights
+from prune.training.loss import Example, build_batch, drafter_loss, sample_anchors, slot_weights
 
 B = 4
 MASK_ID = 97

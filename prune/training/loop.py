@@ -1,4 +1,4 @@
-"""The training loop for the drafter objective: building the demo drafter and LoRA healing.
+"""The training loop for the drafter's loss: building a drafter (`prune train-drafter`) and LoRA healing.
 
 `train(model, dataset, config)` runs AdamW with warmup + cosine/linear decay, gradient clipping and
 accumulation, optional bf16 autocast, on any device. Everything random comes from two seeded
@@ -14,93 +14,21 @@ import json
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .checkpoint import atomic_folder
-from .errors import CheckpointError, ConfigError
-from .objective import Example, build_batch, causal_lm, drafter_loss, sample_anchors
+from models.checkpoint import atomic_folder
+from models.errors import CheckpointError, ConfigError
+
+from .config import TrainConfig
+from .loss import DiffusionBatch, Example, build_batch, causal_lm, drafter_loss, sample_anchors
 
 CHECKPOINT_STATE = "trainer_state.json"
 # Settings that may change between a run and its resumption without changing its result.
 RESUME_FREE_FIELDS = ("eval_every", "checkpoint_every", "checkpoint_dir", "resume", "progress", "max_seconds")
-
-
-@dataclass
-class TrainConfig:
-    """Settings of one training run. Steps count optimizer updates.
-
-    Attributes:
-        steps: optimizer updates in the whole run.
-        batch_size: sequences per micro-batch.
-        grad_accum: micro-batches per optimizer update (effective batch = batch_size * grad_accum).
-        lr: peak learning rate, reached after `warmup_steps`.
-        min_lr_ratio: the schedule decays to lr * min_lr_ratio at the last step.
-        warmup_steps: linear warmup from 0.
-        schedule: "cosine", "linear" or "constant" after the warmup.
-        weight_decay: AdamW decay on matrices (norm weights and biases are not decayed).
-        beta1, beta2: AdamW betas.
-        grad_clip: clip the global gradient norm to this (0 disables).
-        bf16: run forward and backward under bfloat16 autocast (weights stay float32).
-        blocks_per_sequence: N, mask blocks per training sequence (fewer when the response is short).
-        gamma: slot weight decay, w_i = exp(-(i-1)/gamma).
-        ar_weight: lambda, weight of the autoregressive loss on the clean stream.
-        max_length: crop sequences to this many tokens.
-        pad_multiple: pad the query length of each batch to a multiple of this.
-        seed: seeds batch order and anchors.
-        eval_every: call the callback every this many steps (and after the last; 0 = only after the last).
-        checkpoint_every: save a checkpoint every this many steps (and after the last; 0 = only after the last).
-        checkpoint_dir: the checkpoint folder; None disables checkpoints.
-        resume: continue from `checkpoint_dir` when it holds a checkpoint of this config.
-        progress: show a progress bar on stderr.
-        max_seconds: stop early once this call has trained this long (0 = no limit); for machines lent for a
-            fixed time. The stop depends on timing, so such a run is reproducible only up to the step reached.
-    """
-
-    steps: int = 1000
-    batch_size: int = 8
-    grad_accum: int = 1
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
-    schedule: str = "cosine"
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    bf16: bool = False
-    blocks_per_sequence: int = 16
-    gamma: float = 7.0
-    ar_weight: float = 1.0
-    max_length: int = 1024
-    pad_multiple: int = 16
-    seed: int = 0
-    eval_every: int = 0
-    checkpoint_every: int = 0
-    checkpoint_dir: str | None = None
-    resume: bool = True
-    progress: bool = True
-    max_seconds: float = 0.0
-
-    def validate(self) -> None:
-        """Raise ConfigError naming the first bad setting."""
-        positive = ("steps", "batch_size", "grad_accum", "blocks_per_sequence", "max_length", "pad_multiple")
-        for name in positive:
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ConfigError(f"TrainConfig.{name} = {getattr(self, name)!r} must be a positive integer")
-        for name in ("warmup_steps", "eval_every", "checkpoint_every"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"TrainConfig.{name} = {getattr(self, name)!r} must be >= 0")
-        if self.schedule not in ("cosine", "linear", "constant"):
-            raise ConfigError(f"TrainConfig.schedule = {self.schedule!r}; choose cosine, linear or constant")
-        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"lr {self.lr} must be > 0 and min_lr_ratio {self.min_lr_ratio} in [0, 1]")
-        if not self.gamma > 0 or self.ar_weight < 0 or self.grad_clip < 0:
-            raise ConfigError(f"gamma {self.gamma} must be > 0, ar_weight {self.ar_weight} and grad_clip "
-                              f"{self.grad_clip} >= 0")
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:
@@ -142,6 +70,79 @@ class _Sampler:
         return picked
 
 
+class _Batches:
+    """Micro-batches in the seeded order: each is drawn here (batch order, then anchors) and built on CPU in
+    a worker thread while the device computes the one before."""
+
+    def __init__(self, dataset: list[Example], lm_config, config: TrainConfig):
+        self.dataset, self.config = dataset, config
+        self.sampler = _Sampler(len(dataset), config.batch_size, config.seed)
+        self.anchors = torch.Generator().manual_seed(config.seed + 1)
+        self.build = functools.partial(
+            build_batch, block_size=lm_config.block_size, mask_token_id=lm_config.mask_token_id,
+            blocks_per_sequence=config.blocks_per_sequence, max_length=config.max_length,
+            pad_multiple=config.pad_multiple, mask_dtype=torch.bfloat16 if config.bf16 else torch.float32)
+        self.worker = self.pending = None
+
+    def start(self, worker: ThreadPoolExecutor) -> None:
+        """Draw the first micro-batch; `worker` builds this one and every later one."""
+        self.worker = worker
+        self.pending = self._draw()
+
+    def next(self, device: torch.device) -> DiffusionBatch:
+        """The micro-batch drawn last, on `device`; the next one is drawn and its build queued."""
+        batch = self.pending[1].result().to(device)
+        self.pending = self._draw()
+        return batch
+
+    @property
+    def rng_before(self) -> tuple:
+        """(sampler state, anchor generator state) from before the pending draw: what a checkpoint stores so
+        that a resumed run draws that micro-batch again."""
+        return self.pending[0]
+
+    def _draw(self):
+        """Draw the next micro-batch's examples and anchors (RNG in this thread, in order); (states before the
+        draw, the future of the built batch)."""
+        before = (self.sampler.state(), self.anchors.get_state())
+        examples = [self.dataset[i] for i in self.sampler.next()]
+        anchors = [sample_anchors(ex.loss_mask[: self.config.max_length].bool(), self.config.blocks_per_sequence,
+                                  self.anchors) for ex in examples]
+        return before, self.worker.submit(self.build, examples, anchors=anchors)
+
+
+class _Optimizer:
+    """The trainable parameters of one run, their AdamW optimizer and its learning-rate schedule.
+
+    Matrices are decayed by `config.weight_decay`; norm weights and biases (fewer than 2 dims) are not.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: TrainConfig):
+        self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        if not self.params:
+            raise ConfigError("the model has no trainable parameters")
+        groups = [
+            {"params": [p for _, p in self.params if p.ndim >= 2], "weight_decay": config.weight_decay},
+            {"params": [p for _, p in self.params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, config))
+
+    def step(self, config: TrainConfig) -> tuple[float, float]:
+        """Clip the gradients (or only measure their norm, `grad_clip` 0), update the weights and advance the
+        schedule; returns (global gradient norm before clipping, the learning rate of this update)."""
+        trainable = [p for _, p in self.params]
+        if config.grad_clip > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip))
+        else:
+            grad_norm = float(torch.linalg.vector_norm(torch.stack([
+                torch.linalg.vector_norm(p.grad) for p in trainable if p.grad is not None])))
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        return grad_norm, lr
+
+
 def train(
     model: torch.nn.Module,
     dataset: list[Example],
@@ -149,7 +150,7 @@ def train(
     callback: Callable[[int, torch.nn.Module], dict | None] | None = None,
     device: str | torch.device | None = None,
 ) -> list[dict]:
-    """Train `model` on `dataset` with the drafter objective; return the loss history.
+    """Train `model` on `dataset` with the drafter's loss; return the loss history.
 
     Args:
         model: a drafter (plain or peft-wrapped); its config gives `block_size` and `mask_token_id`.
@@ -167,86 +168,21 @@ def train(
         raise ConfigError("the training dataset is empty; generate distillation data first")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     model.to(device)
-    lm_config = causal_lm(model).config
-    block_size, mask_id = lm_config.block_size, lm_config.mask_token_id
-
-    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    if not params:
-        raise ConfigError("the model has no trainable parameters")
-    groups = [
-        {"params": [p for _, p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
-        {"params": [p for _, p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
-    sampler = _Sampler(len(dataset), config.batch_size, config.seed)
-    anchor_generator = torch.Generator().manual_seed(config.seed + 1)
+    optim = _Optimizer(model, config)
+    batches = _Batches(dataset, causal_lm(model).config, config)
     history: list[dict] = []
     step = 0
     folder = Path(config.checkpoint_dir) if config.checkpoint_dir else None
     if folder is not None and config.resume and (folder / CHECKPOINT_STATE).is_file():
-        step, history = _load_checkpoint(folder, config, params, optimizer, scheduler, sampler, anchor_generator)
-
-    mask_dtype = torch.bfloat16 if config.bf16 else torch.float32
-    build = functools.partial(build_batch, block_size=block_size, mask_token_id=mask_id,
-                              blocks_per_sequence=config.blocks_per_sequence, max_length=config.max_length,
-                              pad_multiple=config.pad_multiple, mask_dtype=mask_dtype)
-
-    def draw():
-        """Draw the next micro-batch (RNG in this thread, in order) and build it in the worker thread.
-
-        Returns the generator states from before the draw, which a checkpoint stores so that a resumed run
-        draws this micro-batch again, and the future of the built batch.
-        """
-        before = (sampler.state(), anchor_generator.get_state())
-        examples = [dataset[i] for i in sampler.next()]
-        anchors = [sample_anchors(ex.loss_mask[: config.max_length].bool(), config.blocks_per_sequence,
-                                  anchor_generator) for ex in examples]
-        return before, worker.submit(build, examples, anchors=anchors)
-
+        step, history = _load_checkpoint(folder, config, optim.params, optim.optimizer, optim.scheduler,
+                                         batches.sampler, batches.anchors)
     model.train()
     call_start = time.perf_counter()
     with _progress_bar(config.progress, config.steps, step) as advance, ThreadPoolExecutor(1) as worker:
-        pending = draw()  # the CPU builds the next batch while the device computes this one
+        batches.start(worker)  # the CPU builds the next batch while the device computes this one
         while step < config.steps:
-            started = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            outs, tokens = [], 0
-            for _ in range(config.grad_accum):
-                batch = pending[1].result().to(device)
-                pending = draw()
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
-                    out = drafter_loss(model, batch, config.gamma, config.ar_weight)
-                (out.total / config.grad_accum).backward()
-                outs.append(out)
-                tokens += batch.input_ids.numel()
-            # One host-device sync per update, after every backward is queued.
-            sums = {name: sum(float(getattr(o, name).detach()) for o in outs) / config.grad_accum
-                    for name in ("total", "diff", "ar")}
-            sums = {"loss": sums.pop("total"), **sums, "tokens": tokens}
-            correct = sum(int(o.slot_correct[0]) for o in outs)
-            count = sum(int(o.slot_count[0]) for o in outs)
-            accept_sum = sum(float(o.accept_sum) for o in outs)
-            accept_blocks = sum(int(o.accept_blocks) for o in outs)
-            if not math.isfinite(sums["loss"]):
-                raise ConfigError(f"training diverged at step {step + 1} (loss {sums['loss']}); lower the learning "
-                                  "rate, or turn bf16 off")
-            trainable = [p for _, p in params]
-            if config.grad_clip > 0:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip))
-            else:
-                grad_norm = float(torch.linalg.vector_norm(torch.stack([
-                    torch.linalg.vector_norm(p.grad) for p in trainable if p.grad is not None])))
-            lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            scheduler.step()
+            record = _update(model, batches, optim, config, device, step)
             step += 1
-            record = {
-                "step": step, "lr": lr, **sums, "grad_norm": grad_norm,
-                "slot1_acc": correct / count if count else float("nan"),
-                "accept_proxy": accept_sum / accept_blocks if accept_blocks else float("nan"),
-                "seconds": time.perf_counter() - started,
-            }
             history.append(record)
             out_of_time = config.max_seconds > 0 and time.perf_counter() - call_start > config.max_seconds
             last = step == config.steps or out_of_time
@@ -256,12 +192,49 @@ def train(
                     record.update(callback(step, model) or {})
                 model.train()
             if folder is not None and (last or (config.checkpoint_every and step % config.checkpoint_every == 0)):
-                _save_checkpoint(folder, config, step, history, params, optimizer, scheduler, pending[0])
+                _save_checkpoint(folder, config, step, history, optim.params, optim.optimizer, optim.scheduler,
+                                 batches.rng_before)
             advance(record)
             if out_of_time:
                 break
     model.eval()
     return history
+
+
+def _update(model: torch.nn.Module, batches: _Batches, optim: _Optimizer, config: TrainConfig,
+            device: torch.device, step: int) -> dict:
+    """Optimizer update `step` + 1 over `config.grad_accum` micro-batches; returns its history record.
+
+    Losses are averaged over the micro-batches (each backward is scaled by 1 / grad_accum); the record
+    reads them back in one host-device sync, after every backward is queued.
+    """
+    started = time.perf_counter()
+    optim.optimizer.zero_grad(set_to_none=True)
+    outs, tokens = [], 0
+    for _ in range(config.grad_accum):
+        batch = batches.next(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
+            out = drafter_loss(model, batch, config.gamma, config.ar_weight)
+        (out.total / config.grad_accum).backward()
+        outs.append(out)
+        tokens += batch.input_ids.numel()
+    sums = {name: sum(float(getattr(o, name).detach()) for o in outs) / config.grad_accum
+            for name in ("total", "diff", "ar")}
+    sums = {"loss": sums.pop("total"), **sums, "tokens": tokens}
+    correct = sum(int(o.slot_correct[0]) for o in outs)
+    count = sum(int(o.slot_count[0]) for o in outs)
+    accept_sum = sum(float(o.accept_sum) for o in outs)
+    accept_blocks = sum(int(o.accept_blocks) for o in outs)
+    if not math.isfinite(sums["loss"]):
+        raise ConfigError(f"training diverged at step {step + 1} (loss {sums['loss']}); lower the learning "
+                          "rate, or turn bf16 off")
+    grad_norm, lr = optim.step(config)
+    return {
+        "step": step + 1, "lr": lr, **sums, "grad_norm": grad_norm,
+        "slot1_acc": correct / count if count else float("nan"),
+        "accept_proxy": accept_sum / accept_blocks if accept_blocks else float("nan"),
+        "seconds": time.perf_counter() - started,
+    }
 
 
 def _progress_bar(enabled: bool, total: int, done: int):

@@ -1,4 +1,4 @@
-"""The drafter's training objective, L = L_diff + lambda * L_AR (docs/design.md, Masks), in the inference geometry.
+"""The drafter's training loss, L = L_diff + lambda * L_AR (docs/design.md, Masks), in the inference geometry.
 
 One training sequence of L tokens (prompt + the target's greedy response) becomes one query layout built
 by `models.masks.block_layout`: the clean stream (cache_len = 0, chain_len = L) followed by N blocks of
@@ -21,9 +21,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .errors import DataError
-from .inference import masked_logits
-from .masks import BlockSpec, batch_layouts, block_layout
+from models.errors import DataError
+from models.inference import masked_logits
+from models.masks import BlockSpec, Layout, batch_layouts, block_layout
+
+from .config import TrainConfig
 
 
 @dataclass
@@ -91,7 +93,7 @@ class DiffusionBatch:
 
 
 @dataclass
-class ObjectiveOutput:
+class LossOutput:
     """Losses and metrics of one batch. Losses are scalar tensors (`total` carries the graph).
 
     Attributes:
@@ -150,7 +152,8 @@ def build_batch(
     """Lay out `examples` as clean stream + mask blocks and pad them into one batch (on CPU).
 
     Args:
-        generator: draws the anchors (`sample_anchors`); unused when `anchors` gives them per example.
+        generator: draws the anchors (`sample_anchors`), example by example; unused when `anchors` gives
+            them per example.
         max_length: crop longer sequences to their first `max_length` tokens.
         pad_multiple: pad the query length to a multiple of this (aligned masks suit the GPU kernels).
         extra_padding: add this many more padded query rows (tests use it).
@@ -159,10 +162,7 @@ def build_batch(
     """
     if anchors is None and generator is None:
         raise ValueError("build_batch needs a generator or explicit anchors")
-    layouts, token_rows = [], []
-    slot_rows, slot_targets, slot_number, slot_block, ar_rows, ar_targets = [], [], [], [], [], []
-    offsets = torch.arange(block_size)
-    num_blocks = 0
+    rows, num_blocks = [], 0
     for r, example in enumerate(examples):
         ids, supervised = example.input_ids, example.loss_mask.bool()
         if ids.shape != supervised.shape or ids.ndim != 1 or ids.numel() == 0:
@@ -170,52 +170,80 @@ def build_batch(
                             "must be equal non-empty 1-D tensors")
         if max_length is not None:
             ids, supervised = ids[:max_length], supervised[:max_length]
-        length = ids.numel()
         row_anchors = anchors[r] if anchors is not None else sample_anchors(supervised, blocks_per_sequence, generator)
-        layout = block_layout(0, length, [BlockSpec(p) for p in row_anchors], block_size)
-        layouts.append(layout)
-        token_rows.append(torch.cat([ids, torch.full((len(row_anchors) * block_size,), mask_token_id)]))
-        # AR: clean row t predicts x_{t+1} where that token is supervised.
-        ar_t = torch.nonzero(supervised[1:]).flatten()
-        ar_rows.append(ar_t)  # row offset added after Q is known
-        ar_targets.append(ids[ar_t + 1])
-        if row_anchors:
-            # Slot i (0-based j) of block n: query row L + n*B + j, position p_n + 1 + j.
-            target_pos = torch.tensor(row_anchors)[:, None] + 1 + offsets[None, :]  # (N, B)
-            inside = target_pos < length
-            valid = inside & supervised[target_pos.clamp(max=length - 1)]
-            rows = length + torch.arange(len(row_anchors) * block_size).view(-1, block_size)
-            blocks = num_blocks + torch.arange(len(row_anchors))[:, None].expand(-1, block_size)
-            slot_rows.append(rows[valid])
-            slot_targets.append(ids[target_pos[valid]])
-            slot_number.append(offsets[None, :].expand_as(valid)[valid])
-            slot_block.append(blocks[valid])
-            num_blocks += len(row_anchors)
-        else:
-            slot_rows.append(torch.zeros(0, dtype=torch.long))
-            slot_targets.append(torch.zeros(0, dtype=torch.long))
-            slot_number.append(torch.zeros(0, dtype=torch.long))
-            slot_block.append(torch.zeros(0, dtype=torch.long))
+        rows.append(_lay_out(ids, supervised, row_anchors, block_size, mask_token_id, num_blocks))
+        num_blocks += len(row_anchors)
+    return _pad(rows, num_blocks, block_size, mask_token_id, pad_multiple, extra_padding, mask_dtype)
 
-    q_max = max(layout.query_len for layout in layouts) + extra_padding
+
+@dataclass
+class _Row:
+    """One example laid out: its query layout and its supervised rows, row indices within the example.
+
+    Attributes:
+        layout: the `Layout` of the clean stream (L tokens) and the N blocks after it.
+        tokens: LongTensor `(L + N * B,)`, the clean ids, then `mask_token_id` at every slot.
+        slot_rows, slot_targets, slot_number, slot_block: LongTensors `(S_r,)`, as in `DiffusionBatch`.
+        ar_rows, ar_targets: LongTensors `(A_r,)`, as in `DiffusionBatch`.
+    """
+
+    layout: Layout
+    tokens: torch.Tensor
+    slot_rows: torch.Tensor
+    slot_targets: torch.Tensor
+    slot_number: torch.Tensor
+    slot_block: torch.Tensor
+    ar_rows: torch.Tensor
+    ar_targets: torch.Tensor
+
+
+def _lay_out(ids: torch.Tensor, supervised: torch.Tensor, anchors: list[int], block_size: int, mask_token_id: int,
+             first_block: int) -> _Row:
+    """Lay out one cropped example `ids`/`supervised` (`(L,)` each) with blocks at `anchors` (sorted).
+
+    `first_block` numbers the example's first block among the batch's blocks.
+    """
+    length = ids.numel()
+    layout = block_layout(0, length, [BlockSpec(p) for p in anchors], block_size)
+    tokens = torch.cat([ids, torch.full((len(anchors) * block_size,), mask_token_id)])
+    # AR: clean row t predicts x_{t+1} where that token is supervised.
+    ar_rows = torch.nonzero(supervised[1:]).flatten()
+    if not anchors:
+        empty = torch.zeros(0, dtype=torch.long)
+        return _Row(layout, tokens, empty, empty, empty, empty, ar_rows, ids[ar_rows + 1])
+    # Slot i (0-based j) of block n: query row L + n*B + j, position p_n + 1 + j.
+    offsets = torch.arange(block_size)
+    target_pos = torch.tensor(anchors)[:, None] + 1 + offsets[None, :]  # (N, B)
+    inside = target_pos < length
+    valid = inside & supervised[target_pos.clamp(max=length - 1)]  # (N, B)
+    rows = length + torch.arange(len(anchors) * block_size).view(-1, block_size)  # (N, B)
+    blocks = first_block + torch.arange(len(anchors))[:, None].expand(-1, block_size)  # (N, B)
+    return _Row(layout, tokens, rows[valid], ids[target_pos[valid]], offsets[None, :].expand_as(valid)[valid],
+                blocks[valid], ar_rows, ids[ar_rows + 1])
+
+
+def _pad(rows: list[_Row], num_blocks: int, block_size: int, mask_token_id: int, pad_multiple: int,
+         extra_padding: int, mask_dtype: torch.dtype) -> DiffusionBatch:
+    """Pad the laid-out examples to one query length Q (a multiple of `pad_multiple`) and make their row
+    indices flat indices into `(batch * Q)`."""
+    q_max = max(row.layout.query_len for row in rows) + extra_padding
     q_max = -(-q_max // pad_multiple) * pad_multiple
     # A padded dummy layout of q_max clean tokens makes batch_layouts pad every row to q_max; drop it after.
-    batched = batch_layouts(layouts + [block_layout(0, q_max, [], block_size)], 0, mask_dtype, "cpu")
-    input_ids = torch.full((len(examples), q_max), mask_token_id, dtype=torch.long)
-    for r, tokens in enumerate(token_rows):
-        input_ids[r, : tokens.numel()] = tokens
-        slot_rows[r] = slot_rows[r] + r * q_max
-        ar_rows[r] = ar_rows[r] + r * q_max
+    batched = batch_layouts([row.layout for row in rows] + [block_layout(0, q_max, [], block_size)], 0, mask_dtype,
+                            "cpu")
+    input_ids = torch.full((len(rows), q_max), mask_token_id, dtype=torch.long)
+    for r, row in enumerate(rows):
+        input_ids[r, : row.tokens.numel()] = row.tokens
     return DiffusionBatch(
         input_ids=input_ids,
         attention_mask=batched.mask[:-1],
         position_ids=batched.positions[:-1],
-        slot_rows=torch.cat(slot_rows),
-        slot_targets=torch.cat(slot_targets),
-        slot_number=torch.cat(slot_number),
-        slot_block=torch.cat(slot_block),
-        ar_rows=torch.cat(ar_rows),
-        ar_targets=torch.cat(ar_targets),
+        slot_rows=torch.cat([row.slot_rows + r * q_max for r, row in enumerate(rows)]),
+        slot_targets=torch.cat([row.slot_targets for row in rows]),
+        slot_number=torch.cat([row.slot_number for row in rows]),
+        slot_block=torch.cat([row.slot_block for row in rows]),
+        ar_rows=torch.cat([row.ar_rows + r * q_max for r, row in enumerate(rows)]),
+        ar_targets=torch.cat([row.ar_targets for row in rows]),
         num_blocks=num_blocks,
         block_size=block_size,
     )
@@ -232,8 +260,9 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 
 def drafter_loss(
-    model: torch.nn.Module, batch: DiffusionBatch, gamma: float = 7.0, ar_weight: float = 1.0
-) -> ObjectiveOutput:
+    model: torch.nn.Module, batch: DiffusionBatch, gamma: float = TrainConfig.gamma,
+    ar_weight: float = TrainConfig.ar_weight,
+) -> LossOutput:
     """L = L_diff + ar_weight * L_AR on a batch already on the model's device.
 
     The mask must have the attention dtype (float32, or bfloat16 under bf16 autocast). Runs the decoder
@@ -277,4 +306,4 @@ def drafter_loss(
         run = dense_ok.long().cumprod(-1).sum(-1)  # (blocks,) leading correct slots
         accept_sum = (run[full] + 1).sum()
         accept_blocks = full.sum()
-    return ObjectiveOutput(total, diff.detach(), ar.detach(), slot_correct, slot_count, accept_sum, accept_blocks)
+    return LossOutput(total, diff.detach(), ar.detach(), slot_correct, slot_count, accept_sum, accept_blocks)
