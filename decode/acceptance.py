@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from models.transfer import upload
+
 
 @dataclass(frozen=True)
 class StopRule:
@@ -61,22 +63,28 @@ def sampled_outcome(drafts: list[int], target_probs: torch.Tensor, generator: to
 
     Args:
         drafts: d1 .. d(B-1).
-        target_probs: float Tensor `(B, vocab)` on the CPU, row i = target distribution after row i of V.
+        target_probs: float Tensor `(B, vocab)`, row i = target distribution after row i of V, on any
+            device: the drafts' probabilities come to the host in one read, and only the one row a token is
+            sampled from is copied (`generator` is a CPU generator, so draws are the same on every device).
     """
-    for i, draft in enumerate(drafts):
-        p = target_probs[i]
-        if torch.rand((), generator=generator).item() < p[draft].item():
+    accept = []
+    if drafts:
+        index = upload(torch.tensor([list(range(len(drafts))), list(drafts)], dtype=torch.long), target_probs.device)
+        accept = target_probs[index[0], index[1]].tolist()
+    for i, (draft, p_draft) in enumerate(zip(drafts, accept)):
+        if torch.rand((), generator=generator).item() < p_draft:
             continue
-        residual = p.clone()
+        residual = target_probs[i].clone()
         residual[draft] = 0.0
         return i, _sample(residual, generator)
     return len(drafts), _sample(target_probs[len(drafts)], generator)
 
 
 def _sample(weights: torch.Tensor, generator: torch.Generator) -> int:
+    weights = weights.cpu()  # the generator is a CPU one; a no-op for CPU weights
     return int(torch.multinomial(weights / weights.sum(), 1, generator=generator).item())
 
 
 def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """Draw one token id from a probability vector `(vocab,)` (CPU)."""
+    """Draw one token id from a probability vector `(vocab,)` on any device (drawn on the CPU)."""
     return _sample(probs, generator)

@@ -101,7 +101,15 @@ class DecodeConfig:
 
 @dataclass
 class Round:
-    """One target pass. Times are seconds; `hit` is None where no candidate applies (sync, last round)."""
+    """One target pass. Times are seconds; `hit` is None where no candidate applies (sync, last round).
+
+    Times are wall time on the decoding thread, from a pass's launch to the host read that ends it (every
+    pass ends in one, on every device), so they are what the round waited for. `overlap_s` is how long the
+    verify pass and the concurrent packed pass were both in flight (the intersection of their wall-clock
+    intervals), not how long both computed at once: on 2 CPU cores or on one GPU the two share the
+    hardware, which shows as longer `verify_s` and `draft_s`, not as less overlap. How much running them
+    together actually saves is measured by decode.timing (the `contention` of decode.cost.PassTimes).
+    """
 
     accepted: int
     hit: bool | None = None

@@ -5,6 +5,20 @@ scoring many. Each row's cache holds a prefix of its committed tokens. A pass fe
 of clean tokens (the committed tokens not yet cached, then any unverified drafts) and blocks of mask
 slots anchored on that chain; `keep` then tells each row how many chain tokens to retain, which drops
 the drafts that were rejected and every candidate block.
+
+On CUDA the passes run on the drafter's own stream (decode.worker.draft_stream) while the caller's stream
+(the target's) runs on. The ordering rules that make this safe:
+- every pass (`forward`, a batched `keep`) first makes the drafter stream wait for the caller's current
+  stream, or for the point `mark_ready` recorded: weights changed, copied or merged there just before (a
+  layer removed, an optimizer step, a LoRA merge, a dtype rounding) are what the pass reads;
+- `forward` ends in one host wait (the read of its predictions), so when it returns the stream has
+  finished with every tensor it did not allocate itself (the weights): the caller may change or free them
+  at once; a batched `keep` touches only the engine's own cache;
+- the engine's own tensors (its KV cache, each pass's inputs) are allocated on the drafter stream, so
+  the caching allocator hands their memory out again only in that stream's order.
+A CUDA pass sends its inputs (ids, the query table its mask is built from on the device, the packed-token
+index, the slots to read) in one non-blocking copy from pinned memory and reads its predictions back in
+one copy and one sync. On the CPU the inputs are built where the pass runs, as before.
 """
 
 import contextlib
@@ -13,7 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from models.inference import decoder_runner, masked_logits
-from models.masks import BlockSpec, batch_layouts, block_layout
+from models.lean import packed_index
+from models.masks import BlockSpec, batch_layouts, block_layout, mask_from_table, query_table
+from models.transfer import upload_parts
+
+from .worker import draft_stream
 
 
 @dataclass
@@ -56,18 +74,21 @@ class DraftEngine:
 
     def __init__(self, model: torch.nn.Module, rows: int = 1, fan_out: int = 4, lean: bool = True):
         self.model = model
-        self.block_size = model.config.block_size
-        self.mask_id = model.config.mask_token_id
+        self.block_size: int = model.config.block_size
+        self.mask_id: int = model.config.mask_token_id
         self.fan_out = fan_out
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self.stream = draft_stream(self.device)  # one per GPU, shared by every engine; None off CUDA
+        # Inputs staged in one upload and the mask built on the device (off the CPU; see the module docstring).
+        self.staged = self.device.type != "cpu"
         self._ready = None  # a CUDA event the next pass waits for (see mark_ready)
         self.rows = rows
         # Layer products not prepacked: measured on 2 AVX2 cores, the drafter's small products gain nothing
         # from it (its lm_head is; models/lean.py).
         self.runner = decoder_runner(model, lean)
-        self.cache = self.runner.new_cache(rows)
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            self.cache = self.runner.new_cache(rows)  # drafter-stream memory, reused in that stream's order
         self.cache_lens = [0] * rows  # valid cached positions per row
         self.padded_len = 0  # key slots per row in the cache tensors
 
@@ -84,8 +105,8 @@ class DraftEngine:
     def _on_stream(self):
         if self.stream is None:
             return contextlib.nullcontext()
-        # Work queued on the default stream before this pass (a weight update, a layer copy, the caller's
-        # uploads) must finish before the drafter stream reads it.
+        # Work queued on the caller's stream before this pass (a weight update, a layer copy, a merge) must
+        # finish before the drafter stream reads it.
         if self._ready is not None:
             self.stream.wait_event(self._ready)
             self._ready = None
@@ -100,7 +121,8 @@ class DraftEngine:
         for row, request in enumerate(requests):
             if request is None:
                 request = DraftRequest([], [])
-            layout = block_layout(self.cache_lens[row], len(request.chain), request.blocks, self.block_size)
+            layout = block_layout(self.cache_lens[row], len(request.chain), request.blocks, self.block_size,
+                                  dense=not self.staged)
             ids = list(request.chain)
             for block in request.blocks:
                 ids += ([block.guess] if block.guess is not None else []) + [self.mask_id] * self.block_size
@@ -108,54 +130,90 @@ class DraftEngine:
             inputs.append(ids)
         q_max = max(len(ids) for ids in inputs)
         if q_max == 0:
+            self._ready = None  # nothing ran: the next pass waits for the caller's whole stream instead
             return [[] for _ in requests]
+        lengths = [len(ids) for ids in inputs]
+        reads = [(r, n) for r, layout in enumerate(layouts) for n in range(len(layout.blocks))]
         with self._on_stream():
+            if self.staged:
+                input_ids, positions, mask, packed, index_r, index_q = self._staged_inputs(layouts, inputs, q_max,
+                                                                                           lengths, reads)
+                hidden = self.runner.forward(input_ids, positions, mask, self.cache, lengths=lengths,
+                                             packed_index=packed)
+                return self._read_blocks(hidden, layouts, reads, index_r, index_q)
             batched = batch_layouts(layouts, self.padded_len, self.dtype, self.device)
             input_ids = torch.full((len(inputs), q_max), self.mask_id, dtype=torch.long)
             for row, ids in enumerate(inputs):
                 input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             hidden = self.runner.forward(input_ids.to(self.device), batched.positions, batched.mask, self.cache,
-                                         lengths=[len(ids) for ids in inputs])
-            return self._read_blocks(hidden, layouts)
+                                         lengths=lengths)
+            if not reads:
+                return self._read_blocks(hidden, layouts, reads, None, None)
+            index_r = torch.cat([torch.full((self.block_size,), r) for r, _ in reads])
+            index_q = torch.cat([layouts[r].slot_rows[n] for r, n in reads])
+            return self._read_blocks(hidden, layouts, reads, index_r.to(self.device), index_q.to(self.device))
 
-    def _read_blocks(self, hidden: torch.Tensor, layouts) -> list[list[BlockPrediction]]:
-        rows = [(r, n) for r, layout in enumerate(layouts) for n in range(len(layout.blocks))]
-        if not rows:
+    def _staged_inputs(self, layouts, inputs: list[list[int]], q_max: int, lengths: list[int], reads):
+        """A pass's inputs in one upload (models.transfer.upload_parts), issued before the pass launches:
+        (input_ids, positions, mask, packed-token index or None, rows and query indices of the slots read).
+        The mask is built on the device from the query table (models.masks.mask_from_table)."""
+        batch, block = len(inputs), self.block_size
+        ids = [token for row in inputs for token in row + [self.mask_id] * (q_max - len(row))]
+        firsts = [int(layouts[r].slot_rows[n][0]) for r, n in reads]
+        rows = [r for r, _ in reads for _ in range(block)]
+        queries = [first + i for first in firsts for i in range(block)]
+        input_ids, table, packed, index_r, index_q = upload_parts(
+            [ids, query_table(layouts, q_max, self.padded_len), packed_index(lengths, q_max), rows, queries],
+            self.device)
+        mask, positions = mask_from_table(table, batch, q_max, self.padded_len, self.dtype)
+        return input_ids.view(batch, q_max), positions, mask, packed if packed.numel() else None, index_r, index_q
+
+    def _read_blocks(self, hidden: torch.Tensor, layouts, reads, index_r, index_q) -> list[list[BlockPrediction]]:
+        """Per row, the predictions of its blocks (`reads`: (row, block) pairs; index_r/index_q: the rows and
+        query indices of their slots in `hidden`); on CUDA the pass ends here in one host wait."""
+        if not reads:
+            self._host_wait()  # a pass with nothing to read still ends in a host wait
             return [[] for _ in layouts]
-        index_r = torch.cat([torch.full((self.block_size,), r) for r, _ in rows])
-        index_q = torch.cat([layouts[r].slot_rows[n] for r, n in rows])
-        slots = hidden[index_r.to(self.device), index_q.to(self.device)]
+        slots = hidden[index_r, index_q]
         logits = masked_logits(self.model, slots, self.runner.logits)
         # The few top probabilities without the full softmax: exp(logit - logsumexp) (blocks * B, F + 1).
         top_l, top_i = logits.topk(self.fan_out + 1, dim=-1)
         top_p = (top_l - logits.logsumexp(dim=-1, keepdim=True)).exp()
-        top_p = top_p.view(len(rows), self.block_size, -1).tolist()
-        top_i = top_i.view(len(rows), self.block_size, -1).tolist()
+        top_p = top_p.view(len(reads), self.block_size, -1)
+        top_i = top_i.view(len(reads), self.block_size, -1)
+        if self.device.type == "cuda":  # both copies queued, then one sync (instead of one per tolist)
+            top_p, top_i = top_p.to("cpu", non_blocking=True), top_i.to("cpu", non_blocking=True)
+            self._host_wait()
+        probs, tokens = top_p.tolist(), top_i.tolist()
         out: list[list[BlockPrediction]] = [[] for _ in layouts]
-        for k, (r, _) in enumerate(rows):
+        for k, (r, _) in enumerate(reads):
             out[r].append(
                 BlockPrediction(
-                    tokens=[slot[0] for slot in top_i[k]],
-                    probs=[slot[0] for slot in top_p[k]],
-                    alternatives=[list(zip(ids[1:], ps[1:])) for ids, ps in zip(top_i[k], top_p[k])],
+                    tokens=[slot[0] for slot in tokens[k]],
+                    probs=[slot[0] for slot in probs[k]],
+                    alternatives=[list(zip(ids[1:], ps[1:])) for ids, ps in zip(tokens[k], probs[k])],
                 )
             )
         return out
+
+    def _host_wait(self) -> None:
+        """Wait until the drafter stream has run everything queued on it (CUDA; nothing to wait for elsewhere)."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
     @torch.inference_mode()  # the cache buffers are inference tensors, made inside forward
     def keep(self, counts: list[int]) -> None:
         """After a pass, keep the first `counts[r]` chain tokens of each row in its cache."""
         new_lens = [c + k for c, k in zip(self.cache_lens, counts)]
-        with self._on_stream():
-            if self.rows == 1:
-                self.cache.crop(self.padded_len + counts[0])
-            else:
+        if self.rows == 1:
+            self.cache.crop(self.padded_len + counts[0])  # bookkeeping alone: no device work to order
+        else:
+            with self._on_stream():
                 new_padded = max(new_lens)
                 keep = torch.zeros(self.rows, new_padded, dtype=torch.long)
                 for r, (c, k) in enumerate(zip(self.cache_lens, counts)):
                     keep[r, :c] = torch.arange(c)
                     keep[r, c : c + k] = torch.arange(self.padded_len, self.padded_len + k)
-                self.cache.keep_rows(keep)
+                self.cache.keep_rows(keep)  # built on the host; the cache sends what moves in one copy
         self.cache_lens = new_lens
         self.padded_len = max(new_lens) if self.rows > 1 else new_lens[0]
-

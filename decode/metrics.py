@@ -77,5 +77,7 @@ def _async_summary(rounds, block_size: int) -> dict:
         "packed_share": len(packed) / len(rounds) if rounds else None,
         "packed_pass_tokens_mean": mean(packed) if packed else None,
         "time_split_ms": {key: 1000 * value / n for key, value in split.items()},
+        # The packed pass's share in flight while the target verified (decoders.Round.overlap_s: overlap
+        # of wall-clock intervals, an upper bound on the work hidden, not a measure of it).
         "packed_hidden_fraction": split["overlap"] / split["packed"] if split["packed"] > 0 else None,
     }

@@ -1,10 +1,15 @@
 """Pass times measured on the decoding device: the inputs of the cost model (decode/cost.py).
 
-Every time is the median wall time (ms) of `repeats` passes after one untimed warm-up, over a context of
+Every time is the median time (ms) of `repeats` passes after one untimed warm-up, over a context of
 `context` cached tokens, through the same runners, caches and worker thread as the decoders; the kinds of
 pass measured together are sampled in turn, so load on a shared machine skews them alike. The
 concurrent measurement runs a verify pass and a packed pass at once, split over the cores as the async
 decoder splits them, so the cost model's contention is that of the real round rather than an ideal.
+
+On the CPU a time is wall time. On CUDA it is device time between two CUDA events on the caller's
+stream: one recorded before the pass is queued, one after it ends, recorded once that stream has waited
+for the drafter's stream (decode.worker.draft_stream), so a pass on either stream, or both at once, is
+timed from the moment the device could start it to the moment its last kernel finished.
 """
 
 import statistics
@@ -16,23 +21,39 @@ from .cost import LayerCost, PassTimes
 from .decoders import DecodeConfig
 from .engine import DraftEngine, DraftRequest
 from .verifiers import LiveVerifier
-from .worker import draft_worker, thread_split
+from .worker import draft_stream, draft_worker, thread_split
 from models.masks import BlockSpec
 from models.surgery import remove_layers
 
 
-def _interleaved_ms(runs: dict, repeats: int) -> dict:
-    """Median wall time (ms) of each of `runs` (name -> callable), sampled in turn, `repeats` rounds after
-    one untimed warm-up round. A moment of load on a shared machine then slows every measurement alike,
-    so the ratios the cost model lives on survive it (measured one after another, a noisy moment
-    inflated one pass time by 20 % and moved the predicted speedup as much)."""
-    samples = {name: [] for name in runs}
+def elapsed_ms(run, device: torch.device) -> float:
+    """Time (ms) of `run()` on `device`: wall time on the CPU, CUDA events on CUDA (see the module docstring)."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        run()
+        return 1000 * (time.perf_counter() - start)
+    stream, drafter = torch.cuda.current_stream(device), draft_stream(device)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record(stream)
+    run()
+    if drafter is not None:
+        stream.wait_stream(drafter)  # a drafter pass ends the interval too
+    end.record(stream)
+    end.synchronize()
+    return begin.elapsed_time(end)
+
+
+def _interleaved_ms(runs: dict, repeats: int, device: torch.device = torch.device("cpu")) -> dict:
+    """Median time (ms, `elapsed_ms` on `device`) of each of `runs` (name -> callable), sampled in turn,
+    `repeats` rounds after one untimed warm-up round. A moment of load on a shared machine then slows every
+    measurement alike, so the ratios the cost model lives on survive it (measured one after another, a
+    noisy moment inflated one pass time by 20 % and moved the predicted speedup as much)."""
+    samples: dict = {name: [] for name in runs}
     for round_index in range(repeats + 1):
         for name, run in runs.items():
-            start = time.perf_counter()
-            run()
+            ms = elapsed_ms(run, device)
             if round_index:
-                samples[name].append(1000 * (time.perf_counter() - start))
+                samples[name].append(ms)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -78,7 +99,7 @@ def drafter_pass_ms(drafter, packed_budget: int = 64, repeats: int = 7, context:
     """(sync draft pass, full-budget packed pass) of `drafter`, ms."""
     probe = _DrafterProbe(drafter, packed_budget, context)
     times = _interleaved_ms({"draft": lambda: probe.run(probe.draft), "packed": lambda: probe.run(probe.packed)},
-                            repeats)
+                            repeats, probe.engine.device)
     return times["draft"], times["packed"]
 
 
@@ -107,7 +128,7 @@ def measure_pass_times(target, drafter, config: DecodeConfig, repeats: int = 7, 
     runs = {w: (lambda w=w: target_probe.run(w)) for w in widths}
     runs.update(draft=lambda: drafter_probe.run(drafter_probe.draft),
                 packed=lambda: drafter_probe.run(drafter_probe.packed), together=together)
-    ms = _interleaved_ms(runs, repeats)
+    ms = _interleaved_ms(runs, repeats, device)
     ar_ms = ms[1]
     rest = [w for w in widths if w > 1]
     slope = sum((ms[w] - ar_ms) * (w - 1) for w in rest) / sum((w - 1) ** 2 for w in rest)

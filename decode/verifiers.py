@@ -11,6 +11,7 @@ import torch
 
 from models.errors import DataError
 from models.inference import decoder_runner
+from models.transfer import upload
 
 
 @dataclass
@@ -19,7 +20,8 @@ class TargetOutput:
 
     Attributes:
         tokens: n greedy choices, the argmax after each fed token (-1 where a replay does not know it).
-        probs: float32 CPU Tensor `(n, vocab)` of sampling distributions, or None when greedy.
+        probs: float32 Tensor `(n, vocab)` of sampling distributions, on the target's device (the acceptance
+            rule reads the few entries it needs from there), or None when greedy.
     """
 
     tokens: list[int]
@@ -48,7 +50,7 @@ class LiveVerifier:
 
     @torch.inference_mode()
     def _forward(self, tokens: list[int], last_only: bool) -> TargetOutput:
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        ids = upload(torch.tensor([tokens], dtype=torch.long), self.device)  # no host wait on CUDA
         positions = torch.arange(self.length, self.length + len(tokens), device=self.device)[None]
         hidden = self.runner.forward(ids, positions, None, self.cache)
         self.length += len(tokens)
@@ -56,7 +58,7 @@ class LiveVerifier:
         greedy = logits.argmax(-1).tolist()
         probs = None
         if self.temperature > 0:
-            probs = torch.softmax(logits / self.temperature, dim=-1).cpu()
+            probs = torch.softmax(logits / self.temperature, dim=-1)
         return TargetOutput(greedy, probs)
 
     def prefill(self, prompt: list[int]) -> TargetOutput:

@@ -1,7 +1,8 @@
 """The worker thread that runs the async decoder's packed pass while the caller's thread verifies.
 
 One worker is created on first use and reused by every decode call (and by the timing of concurrent
-passes), so no call pays for a new thread. On a CPU the two concurrent passes would otherwise each ask
+passes), so no call pays for a new thread; likewise one CUDA stream per GPU (`draft_stream`) carries
+every drafter pass on that GPU. On a CPU the two concurrent passes would otherwise each ask
 for every core and fight over them; `thread_split` gives the worker `draft_threads` intra-op threads and
 the caller the rest while both passes run (torch's thread count is per thread), then restores the
 caller's count, so a round without a packed pass verifies and drafts with every core. On a GPU the passes run on their own streams and the split does nothing.
@@ -9,18 +10,24 @@ caller's count, so a round without a packed pass verifies and drafts with every 
 
 import contextlib
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 _WORKER: ThreadPoolExecutor | None = None
 _WORKER_THREADS: int | None = None  # the worker's intra-op thread count, once set
+_STREAMS: dict[int, "torch.cuda.Stream"] = {}  # GPU index -> the drafter's stream there
+_STREAMS_LOCK = threading.Lock()
 
 
 def _forget_worker() -> None:
     # A forked child inherits the executor object but not its thread: submitting to it would wait forever.
-    global _WORKER, _WORKER_THREADS
+    # Nor can it use its parent's CUDA streams (or wait on a lock another thread of the parent held).
+    global _WORKER, _WORKER_THREADS, _STREAMS_LOCK
     _WORKER, _WORKER_THREADS = None, None
+    _STREAMS.clear()
+    _STREAMS_LOCK = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_worker)
@@ -32,6 +39,19 @@ def draft_worker() -> ThreadPoolExecutor:
     if _WORKER is None:
         _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3d-draft")
     return _WORKER
+
+
+def draft_stream(device: torch.device) -> "torch.cuda.Stream | None":
+    """The CUDA stream of drafter passes on `device`, made once per GPU and shared by every draft engine
+    (None off CUDA). Engines share it safely: each pass waits for the caller's stream and ends with a
+    host read of its predictions (decode/engine.py)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _STREAMS_LOCK:
+        if index not in _STREAMS:
+            _STREAMS[index] = torch.cuda.Stream(device=torch.device("cuda", index))
+        return _STREAMS[index]
 
 
 def default_draft_threads(total: int) -> int:

@@ -9,6 +9,8 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+from .transfer import upload
+
 # Older releases name the cache argument `past_key_values` and silently ignore `cache=`, which would
 # run every cached forward without its cache: refuse them loudly instead.
 if tuple(int(part) for part in transformers.__version__.split(".")[:2]) < (5, 24):
@@ -38,13 +40,17 @@ def keep_rows(cache: DynamicCache, keep: torch.Tensor) -> None:
     Args:
         keep: LongTensor of shape `(batch, new_length)`; entry `keep[r, j]` is the old slot index that
             becomes slot j of row r. Rows shorter than `new_length` repeat any valid index as padding;
-            the caller masks padded slots out of attention.
+            the caller masks padded slots out of attention. Uploaded once per device (not once per layer).
     """
+    on_device: dict[torch.device, torch.Tensor] = {}
     for layer in cache.layers:
         if not layer.is_initialized:
             continue
         # keys/values: (batch, kv_heads, length, head_dim)
-        index = keep.to(layer.keys.device)[:, None, :, None].expand(
+        device = layer.keys.device
+        if device not in on_device:
+            on_device[device] = upload(keep, device) if keep.device.type == "cpu" else keep.to(device)
+        index = on_device[device][:, None, :, None].expand(
             -1, layer.keys.shape[1], -1, layer.keys.shape[3]
         )
         layer.keys = torch.gather(layer.keys, 2, index)
@@ -106,13 +112,17 @@ class StaticKV:
 
         Only the slots that move are copied: after a pass a row keeps its old prefix where it is and moves
         a few new slots down, so a full gather would copy the whole cache to change a handful of slots.
+        `keep` is read where it is (the host, for the draft engine): the moving slots are found there and
+        sent to the device in one non-blocking copy, so trimming costs the device no sync.
         """
         new_length = keep.shape[1]
         self.reserve(max(0, new_length - self.length))
-        keep = keep.to(self.keys[0].device)
         rows, slots = (keep != torch.arange(new_length, device=keep.device)).nonzero(as_tuple=True)
         if len(rows):
             sources = keep[rows, slots]
+            device = self.keys[0].device
+            if keep.device != device:
+                rows, slots, sources = upload(torch.stack([rows, slots, sources]), device).unbind(0)
             for buffers in (self.keys, self.values):
                 for buffer in buffers:
                     buffer[rows, :, slots] = buffer[rows, :, sources]  # the right side is read first

@@ -55,8 +55,10 @@ class TransformersDecoder:
         return DynamicKV(DynamicCache(config=self.model.config))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                cache: DynamicKV, lengths: list[int] | None = None) -> torch.Tensor:
-        # `lengths` (see LeanDecoder.forward) only saves arithmetic; this forward computes the padding too.
+                cache: DynamicKV, lengths: list[int] | None = None,
+                packed_index: torch.Tensor | None = None) -> torch.Tensor:
+        # `lengths` and `packed_index` (see LeanDecoder.forward) only save arithmetic; this forward computes
+        # the padding too.
         out = self.model.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                                cache=cache.cache, use_cache=True)
         return out.last_hidden_state
@@ -75,7 +77,8 @@ def decoder_runner(model: torch.nn.Module, lean: bool = True, prepack: bool = Fa
     (models.lean.prepacked) where the device allows.
 
     Both run `forward(input_ids (batch, Q), positions (batch, Q), mask (batch, 1, Q, cache + Q) | None,
-    cache, lengths=None) -> hidden (batch, Q, hidden_size)` over a cache from their `new_cache(rows)`.
+    cache, lengths=None, packed_index=None) -> hidden (batch, Q, hidden_size)` over a cache from their
+    `new_cache(rows)`.
     """
     if lean and LeanDecoder.supports(model):
         return LeanDecoder(model, prepack=prepack)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import StaticKV
+from .transfer import upload
 
 _ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # model -> {kind: (key, derived weights)} (prepacked, fused), kept between decoders; outside the model so that copies of it (layer
@@ -36,9 +37,15 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pa
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    """True where oneDNN can hold weights prepacked for this CPU (float32 or bfloat16)."""
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """True where oneDNN can hold weights prepacked for this CPU: float32, and bfloat16 where the CPU has
+    the instructions oneDNN's bfloat16 path needs (without them the reorder raises)."""
+    if not (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    if dtype == torch.bfloat16:
+        supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+        return bool(supported is not None and supported())
+    return dtype == torch.float32
 
 
 def prepacked(model: torch.nn.Module, weights: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -220,7 +227,8 @@ class LeanDecoder:
         return self.model.lm_head(hidden)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                cache: StaticKV, lengths: list[int] | None = None) -> torch.Tensor:
+                cache: StaticKV, lengths: list[int] | None = None,
+                packed_index: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states after the final norm.
 
         Args:
@@ -232,6 +240,8 @@ class LeanDecoder:
             lengths: real (left-aligned) tokens per row when rows are padded to Q; the products then run
                 on the real tokens only (a batch of rows of unequal length wastes no arithmetic on its
                 padding), and the padded positions' outputs are zeros. None: every position is real.
+            packed_index: `packed_index(lengths, Q)` already on the device (the draft engine sends it with
+                the pass's other inputs in one copy); None builds and copies it here.
 
         Returns:
             Tensor `(batch, Q, hidden_size)`.
@@ -239,7 +249,7 @@ class LeanDecoder:
         batch, q_len = input_ids.shape
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(hidden, positions)
-        ragged = _Ragged.of(lengths, batch, q_len, hidden.device)
+        ragged = _Ragged.of(lengths, batch, q_len, hidden.device, packed_index)
         hidden, cos, sin = ragged.pack(hidden), ragged.pack(cos)[..., None, :], ragged.pack(sin)[..., None, :]
         start = cache.length
         cache.reserve(q_len)
@@ -300,11 +310,13 @@ class _Ragged:
         self.index, self.batch, self.q_len = index, batch, q_len
 
     @classmethod
-    def of(cls, lengths: list[int] | None, batch: int, q_len: int, device) -> "_Ragged":
+    def of(cls, lengths: list[int] | None, batch: int, q_len: int, device,
+           index: torch.Tensor | None = None) -> "_Ragged":
         if lengths is None or sum(lengths) == batch * q_len:
             return cls(None, batch, q_len)
-        index = torch.cat([torch.arange(r * q_len, r * q_len + n) for r, n in enumerate(lengths)])
-        return cls(index.to(device), batch, q_len)
+        if index is None:
+            index = upload(torch.cat([torch.arange(r * q_len, r * q_len + n) for r, n in enumerate(lengths)]), device)
+        return cls(index, batch, q_len)
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
         """`(batch, Q, ...)` -> `(tokens, ...)`."""
@@ -319,6 +331,14 @@ class _Ragged:
         padded = packed.new_zeros(self.batch * self.q_len, *packed.shape[1:])
         padded[self.index] = packed
         return padded.view(self.batch, self.q_len, *packed.shape[1:])
+
+
+def packed_index(lengths: list[int] | None, q_len: int) -> list[int]:
+    """The flat `(batch * Q)` positions of each row's first `lengths[r]` tokens, the padded layout's real
+    tokens in order; [] when there is no padding to skip (every row holds Q tokens, or lengths is None)."""
+    if lengths is None or sum(lengths) == len(lengths) * q_len:
+        return []
+    return [r * q_len + j for r, n in enumerate(lengths) for j in range(n)]
 
 
 def _causal_mask(q_len: int, cached: int, dtype: torch.dtype, device) -> torch.Tensor:

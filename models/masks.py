@@ -45,6 +45,9 @@ class Layout:
         visible: BoolTensor `(Q, cache_len + Q)`, True where a query may attend to a key.
         guess_rows: per block, the query index of its guess token, or None.
         slot_rows: per block, LongTensor `(B,)` of the query indices of its slots.
+        query_table: per query token, the lists `visible` is computed from: (positions, groups: -1 for the
+            chain or n for block n, is_slot, horizons: the last clean position the token sees); what
+            `mask_from_table` builds a batch's mask from on the device.
     """
 
     cache_len: int
@@ -52,17 +55,22 @@ class Layout:
     block_size: int
     blocks: list[BlockSpec]
     positions: torch.Tensor
-    visible: torch.Tensor
+    visible: torch.Tensor | None
     guess_rows: list[int | None] = field(default_factory=list)
     slot_rows: list[torch.Tensor] = field(default_factory=list)
+    query_table: tuple[list[int], list[int], list[bool], list[int]] = field(default_factory=lambda: ([], [], [], []))
 
     @property
     def query_len(self) -> int:
         return int(self.positions.shape[0])
 
 
-def block_layout(cache_len: int, chain_len: int, blocks: list[BlockSpec], block_size: int) -> Layout:
+def block_layout(cache_len: int, chain_len: int, blocks: list[BlockSpec], block_size: int,
+                 dense: bool = True) -> Layout:
     """Build positions and the visibility matrix for one sequence (see the module docstring).
+
+    `dense=False` leaves `visible` None: the caller builds the mask from `query_table` on the device
+    (`mask_from_table`) instead of on the host.
 
     Raises:
         ValueError: when a block's anchor is not a clean position of this layout.
@@ -97,6 +105,9 @@ def block_layout(cache_len: int, chain_len: int, blocks: list[BlockSpec], block_
             horizons.append(block.anchor)
 
     q_pos = torch.tensor(positions, dtype=torch.long)
+    table = (positions, groups, is_slot, horizons)
+    if not dense:
+        return Layout(cache_len, chain_len, block_size, list(blocks), q_pos, None, guess_rows, slot_rows, table)
     q_group = torch.tensor(groups, dtype=torch.long)
     q_slot = torch.tensor(is_slot, dtype=torch.bool)
     q_horizon = torch.tensor(horizons, dtype=torch.long)
@@ -112,7 +123,7 @@ def block_layout(cache_len: int, chain_len: int, blocks: list[BlockSpec], block_
     same_block = (q_group[:, None] == k_group[None, :]) & (q_group[:, None] >= 0)
     sees_block = same_block & (q_slot[:, None] | ~k_slot[None, :])
     visible = sees_context | sees_block
-    return Layout(cache_len, chain_len, block_size, list(blocks), q_pos, visible, guess_rows, slot_rows)
+    return Layout(cache_len, chain_len, block_size, list(blocks), q_pos, visible, guess_rows, slot_rows, table)
 
 
 @dataclass
@@ -150,6 +161,8 @@ def batch_layouts(
         c, q = layout.cache_len, layout.query_len
         if c > padded_cache_len:
             raise ValueError(f"row {r} holds {c} cached positions, more than the padded {padded_cache_len}")
+        if layout.visible is None:
+            raise ValueError(f"row {r} was laid out without its dense mask; use mask_from_table")
         visible[r, :q, :c] = layout.visible[:, :c]
         visible[r, :q, padded_cache_len : padded_cache_len + q] = layout.visible[:, c:]
         positions[r, :q] = layout.positions
@@ -158,3 +171,48 @@ def batch_layouts(
         visible[r, pad, padded_cache_len + pad] = True
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
     return BatchedLayout(layouts, mask[:, None].to(device), positions.to(device), padded_cache_len)
+
+
+PAD_GROUP = -2  # the group of a padded query in a query table: it sees only its own key
+
+
+def query_table(layouts: list[Layout], q_max: int, padded_cache_len: int) -> list[int]:
+    """The batch's query tables flattened for `mask_from_table`: positions, groups, is_slot and horizons,
+    each `(batch, q_max)` row-major, then each row's cache length `(batch,)`. Padded queries get position
+    0 (as in `batch_layouts`), group PAD_GROUP and horizon -1."""
+    for r, layout in enumerate(layouts):
+        if layout.cache_len > padded_cache_len:
+            raise ValueError(f"row {r} holds {layout.cache_len} cached positions, more than the padded "
+                             f"{padded_cache_len}")
+    pad = [q_max - layout.query_len for layout in layouts]
+    fill = (0, PAD_GROUP, 0, -1)
+    flat: list[int] = []
+    for column, value in enumerate(fill):
+        for layout, missing in zip(layouts, pad):
+            flat += layout.query_table[column]
+            flat += [value] * missing
+    return flat + [layout.cache_len for layout in layouts]
+
+
+def mask_from_table(table: torch.Tensor, batch: int, q_max: int, padded_cache_len: int,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mask and positions of `batch_layouts`, built where `table` is (the device) from `query_table`'s
+    flat LongTensor `(4 * batch * q_max + batch,)`, instead of on the host and then copied.
+
+    Returns (mask `(batch, 1, q_max, padded_cache_len + q_max)`, 0 where visible and -inf elsewhere;
+    positions `(batch, q_max)`), equal to `batch_layouts`' for the same layouts.
+    """
+    position, group, slot, horizon = table[: 4 * batch * q_max].view(4, batch, q_max).unbind(0)
+    cache_len = table[4 * batch * q_max :]
+    slot = slot.bool()
+    # Cache keys: slot j of row r holds clean position j below the row's cache length, padding above it.
+    key = torch.arange(padded_cache_len, device=table.device)
+    sees_cache = (key < cache_len[:, None, None]) & (key <= horizon[:, :, None])
+    # The new keys are the queries themselves: the clean chain up to the horizon, and the own block.
+    sees_chain = (group[:, None, :] == -1) & (position[:, None, :] <= horizon[:, :, None])
+    same_block = (group[:, :, None] == group[:, None, :]) & (group[:, :, None] >= 0)
+    sees_block = same_block & (slot[:, :, None] | ~slot[:, None, :])
+    own = torch.eye(q_max, dtype=torch.bool, device=table.device) & (group == PAD_GROUP)[:, :, None]
+    visible = torch.cat([sees_cache, sees_chain | sees_block | own], dim=2)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=table.device).masked_fill_(~visible, float("-inf"))
+    return mask[:, None], position

@@ -4,10 +4,11 @@ A `ScoringJournal` is the file OUT/scoring-XX.json (XX: the step whose layers th
 document `{"key": str, "base": Evaluation, "layers": {"index": LayerScore}}` (prune.scoring), rewritten
 atomically (models.checkpoint.atomic_write_text) after the round's baseline evaluation and after each layer.
 Its key fingerprints everything those evaluations depend on: the run's settings and pass times, the prompts
-and trajectories, and the weights of the drafter being scored. A journal with another key (a resume with
-other settings or prompts, another drafter) is never read: it is overwritten. Floats survive the JSON round
-trip exactly, so a resumed round scores exactly as an uninterrupted one. The campaign (prune.progressive)
-removes a journal once its step is recorded in state.json, and all of them when the run ends.
+and trajectories, and the weights, dtype and device of the drafter being scored. A journal with another key
+(a resume with other settings or prompts, another drafter, device or dtype) is never read: it is
+overwritten. Floats survive the JSON round trip exactly, so a resumed round scores exactly as an
+uninterrupted one. The campaign (prune.progressive) removes a journal once its step is recorded in
+state.json, and all of them when the run ends.
 """
 
 import json

@@ -30,7 +30,7 @@ from .heal import HealConfig, heal
 from .journal import ScoringJournal, remove_journals
 from .progress import progress_bar
 from .report import write_report
-from .scoring import Evaluation, ScoreConfig, evaluate, score_layers
+from .scoring import Evaluation, ScoreConfig, evaluate, placement, score_layers
 
 STATE_NAME = "state.json"
 _silent = functools.partial(progress_bar, enabled=False)
@@ -256,10 +256,10 @@ def _step_size(config: RunConfig, layers: int, removed_total: int) -> tuple[int,
 
 def _score_round(campaign: _Campaign, current, state: dict):
     """Score every layer of `current` (prune.scoring.ScoreReport), continuing the round's journal if a killed
-    run left one with the same key (settings, pass times, prompts, trajectories, weights)."""
+    run left one with the same key (settings, pass times, prompts, trajectories, weights, dtype and device)."""
     layers, step = current.config.num_hidden_layers, len(state["history"]) + 1
     journal = ScoringJournal.for_round(campaign.out, step, state["config"], state["timing"], campaign.prompts,
-                                       campaign.trajectories, current)
+                                       campaign.trajectories, current, *placement(current))
     if journal.layers:
         campaign.log(f"step {step}: scoring continues with {len(journal.layers)} of {layers} layers evaluated "
                      "before the interruption")

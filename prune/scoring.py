@@ -284,12 +284,18 @@ def _weights_digest(module: torch.nn.Module) -> str:
     return getattr(module, _WEIGHTS_DIGEST)[1]
 
 
+def placement(model) -> tuple[str, str]:
+    """(dtype, device) of `model`'s weights, as strings: part of the cache key of anything computed with it,
+    since kernels, and with them near-tie argmaxes and pass times, differ across both."""
+    weight = next(model.parameters())
+    return str(weight.dtype), str(weight.device)
+
+
 def trajectory_key(target, prompts: list[list[int]], decode: DecodeConfig) -> str:
     """The cache key of recorded target trajectories, the same in score, run and sweep: the target's
     weights, dtype and device (near-tie argmaxes differ across them), the prompts and the stop rule."""
-    weight = next(target.parameters())
-    return fingerprint("trajectories", target, str(weight.dtype), str(weight.device), prompts,
-                       decode.max_new_tokens, sorted(decode.stop_ids))
+    return fingerprint("trajectories", target, *placement(target), prompts, decode.max_new_tokens,
+                       sorted(decode.stop_ids))
 
 
 def cached_trajectories(folder: Path | None, target, prompts: list[list[int]], decode: DecodeConfig) -> list:

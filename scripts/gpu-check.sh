@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU check: the tests that exercise CUDA, then `prune bench` of the demo pair on cuda in bfloat16 and
-# float32 and the measured overlap of the verify and packed passes, as one table. About 5 minutes on one
-# H200. Needs the demo target already cached (no network on a GPU box): copy the cache folder
-# ($D3D_PRUNE_CACHE or ~/.cache/d3d-prune, the `targets/` and `suites` parts) there first, or set
-# D3D_PRUNE_CACHE to a copy of it.
+# The GPU check: the tests that exercise CUDA first (tests/test_devices.py: exactness, replay, the drafter
+# stream's ordering against weight changes, staged inputs, sampling and timing on the device), then
+# `prune bench` of the demo pair on cuda in bfloat16 and float32 and the measured overlap of the verify and
+# packed passes, as one table. About 5 minutes on one H200; each part has a time limit, so the whole stays
+# under 8 minutes (2 + 2 x 2.5). Needs the demo target already cached (no network on a GPU box): copy the
+# cache folder ($D3D_PRUNE_CACHE or ~/.cache/d3d-prune, the `targets/` and `suites` parts) there first, or
+# set D3D_PRUNE_CACHE to a copy of it.
 #
 #   bash scripts/gpu-check.sh            (OUT=dir to keep the JSON reports; default a temporary folder)
 set -euo pipefail
@@ -14,13 +16,19 @@ OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 
 echo "== tests on cuda (CPU cases run too; nothing may skip for want of a GPU)"
-$PY -m pytest -q -rs tests/test_devices.py tests/test_lean.py tests/test_decoders.py 2>&1 | tee "$OUT/tests.txt"
+set +e
+timeout 120 $PY -m pytest -q -rs -p no:cacheprovider tests/test_devices.py tests/test_masks.py tests/test_lean.py \
+    tests/test_decoders.py 2>&1 | tee "$OUT/tests.txt"
+status=${PIPESTATUS[0]}
+set -e
 if grep -q "torch sees no CUDA" "$OUT/tests.txt"; then echo "gpu-check: torch sees no GPU" >&2; exit 1; fi
+if [ "$status" -ne 0 ]; then echo "gpu-check: the tests failed or ran past 2 minutes (exit $status)" >&2; exit 1; fi
 
 for dtype in bfloat16 float32; do
     echo "== prune bench on cuda, $dtype"
-    $PRUNE bench --device cuda --dtype "$dtype" --decoder all --suite humaneval:eval --limit 10 \
-        --max-new-tokens 128 --json "$OUT/bench-$dtype.json" > "$OUT/bench-$dtype.txt"
+    timeout 150 $PRUNE bench --device cuda --dtype "$dtype" --decoder all --suite humaneval:eval --limit 10 \
+        --max-new-tokens 128 --json "$OUT/bench-$dtype.json" > "$OUT/bench-$dtype.txt" \
+        || { echo "gpu-check: prune bench ($dtype) failed or ran past 2.5 minutes (exit $?)" >&2; exit 1; }
     cat "$OUT/bench-$dtype.txt"
 done
 

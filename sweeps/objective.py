@@ -19,8 +19,10 @@ then ends after that step (OUT/final and the report are written) and the trial i
 pruners handle single-objective studies only, so multi-objective trials are never pruned.
 
 Predicted speedups and packed-pass costs come from one timing (decode.cost) of the drafter and the target,
-measured by the study's first trial and stored in the study's user attributes (`timing/packed_budget=N`):
-trials compare what they pruned, not how busy the machine was while each one measured.
+measured by the study's first trial and stored in the study's user attributes
+(`timing/packed_budget=N/DEVICE/DTYPE`, e.g. `timing/packed_budget=64/cuda/bfloat16`: workers computing
+on another kind of device or in another dtype measure their own): trials compare what they pruned, not
+how busy the machine was while each one measured.
 
 Each trial's user attributes hold where its checkpoint is and what it measured (TRIAL_ATTRS). They are
 set only once the campaign has returned and its last export has been checked whole (`exported_checkpoint`),
@@ -166,6 +168,14 @@ def exported_checkpoint(out: Path, folder: str) -> str:
     return str(out.resolve() / "final")
 
 
+def study_timing_key(score, drafter) -> str:
+    """The study user attribute that holds the timing of `drafter` (on its device, in its dtype) for
+    `score`'s packed budget."""
+    weight = next(drafter.parameters())
+    return (f"timing/packed_budget={score.decode.packed_budget}/{weight.device.type}/"
+            f"{str(weight.dtype).removeprefix('torch.')}")
+
+
 class PruningObjective:
     """Callable(trial) -> objective value(s); see the module docstring.
 
@@ -195,7 +205,7 @@ class PruningObjective:
 
         from .study import quiet_optuna
 
-        key = f"timing/packed_budget={score.decode.packed_budget}"
+        key = study_timing_key(score, self.data.drafter)
         deadline = time.monotonic() + wait_s
         study = trial.study
         while True:
@@ -296,7 +306,8 @@ class PruningObjective:
         if last is None:
             final, checkpoint, layers = base, self.data.drafter_dir, timing["layers"]
         else:
-            drafter = load_drafter(out / last["folder"])
+            compute = next(self.data.drafter.parameters())  # the run's device and dtype, as the campaign's
+            drafter = load_drafter(out / last["folder"], compute.dtype, compute.device)
             final = evaluate(drafter, self.data.evaluation, self.config.score, self.data.evaluation_trajectories,
                              self.data.target)
             checkpoint, layers = exported_checkpoint(out, last["folder"]), last["layers"]

@@ -289,6 +289,36 @@ def test_score_json_and_cache(pair_dirs, capsys, tmp_path, monkeypatch):
     assert json.loads(capsys.readouterr().out)["layers"] == first["layers"]
 
 
+@pytest.mark.parametrize("moved", ["device", "dtype"])
+def test_every_cache_key_holds_the_device_and_the_dtype(pair_dirs, capsys, tmp_path, monkeypatch, moved):
+    """Trajectories, pass times and layer scores cached for one device or dtype are not reused for another
+    (near-tie argmaxes and pass times differ across them): the same command with the models placed
+    elsewhere computes all three again."""
+    import decode.timing
+    import prune.scoring
+
+    args = ["score", "--drafter", str(pair_dirs / "drafter"), "--target", str(pair_dirs / "target"),
+            "--prompts", str(pair_dirs / "prompts.jsonl"), "--max-new-tokens", "12", "--bootstrap", "20",
+            "--cache-dir", str(tmp_path), "--json", "-"]
+    assert main(args) == 0
+    calls = []
+
+    def counted(name, function):
+        return lambda *a, **k: calls.append(name) or function(*a, **k)
+
+    for module, name in ((prune.scoring, "record_trajectories"), (prune.scoring, "score_layers"),
+                         (decode.timing, "measure_pass_times")):
+        monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
+    assert main(args) == 0 and calls == []  # all three cached
+    placement = prune.scoring.placement
+    elsewhere = {"device": lambda model: (placement(model)[0], "cuda:0"),
+                 "dtype": lambda model: ("torch.bfloat16", placement(model)[1])}[moved]
+    monkeypatch.setattr(prune.scoring, "placement", elsewhere)
+    assert main(args) == 0
+    assert sorted(set(calls)) == ["measure_pass_times", "record_trajectories", "score_layers"]
+    capsys.readouterr()
+
+
 def test_run_resume_and_bad_inputs(pair_dirs, capsys, tmp_path):
     base = ["run", "--drafter", str(pair_dirs / "drafter"), "--target", str(pair_dirs / "target"),
             "--prompts", str(pair_dirs / "prompts.jsonl"), "--max-new-tokens", "12", "--out", str(tmp_path / "out"),

@@ -221,3 +221,36 @@ def test_batch_layouts_rejects_cache_longer_than_padding():
     layout = block_layout(6, 1, [], B)
     with pytest.raises(ValueError, match="6"):
         batch_layouts([layout], padded_cache_len=5, dtype=torch.float32, device="cpu")
+
+
+# ----------------------------------------------------------------------------------------------------
+# mask_from_table: the same batched mask, built where the pass runs (the CUDA draft engine's path)
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padded", [5, 9])
+def test_mask_from_table_equals_batch_layouts(dtype, padded):
+    from models.masks import mask_from_table, query_table
+
+    shapes = [
+        (5, B, [BlockSpec(5, guess=3), BlockSpec(8)]),  # guess, blocks anchored in the chain
+        (2, 1, [BlockSpec(2), BlockSpec(0, guess=9), BlockSpec(1)]),  # blocks anchored inside the cache
+        (0, 3, []),  # a chain alone
+        (4, 0, []),  # a row that feeds nothing
+        (0, 0, []),  # an empty row beside them
+    ]
+    layouts = [block_layout(c, n, blocks, B) for c, n, blocks in shapes]
+    lean = [block_layout(c, n, blocks, B, dense=False) for c, n, blocks in shapes]
+    q_max = max(layout.query_len for layout in layouts)
+    expected = batch_layouts(layouts, padded, dtype, "cpu")
+    table = torch.tensor(query_table(lean, q_max, padded), dtype=torch.long)
+    mask, positions = mask_from_table(table, len(lean), q_max, padded, dtype)
+    assert mask.dtype == dtype and torch.equal(mask, expected.mask)
+    assert torch.equal(positions, expected.positions)
+    for full, light in zip(layouts, lean):  # dense=False leaves out the host mask and nothing else
+        assert light.visible is None and torch.equal(light.positions, full.positions)
+        assert light.guess_rows == full.guess_rows and light.query_table == full.query_table
+        assert all(torch.equal(a, b) for a, b in zip(light.slot_rows, full.slot_rows))
+    with pytest.raises(ValueError, match="5"):
+        query_table(lean, q_max, 4)

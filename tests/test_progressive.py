@@ -118,3 +118,53 @@ def test_bad_inputs_fail_cleanly(campaign, tmp_path):
     with pytest.raises(CheckpointError, match="not empty"):
         run(campaign, tmp_path / "c", config_of(decode))
     assert (tmp_path / "c" / "keep.txt").read_text() == "user data"
+
+
+def test_a_resumed_run_computes_in_the_runs_dtype(campaign, tmp_path, monkeypatch):
+    """A campaign in bfloat16 (on the CPU here; the device travels the same way) resumes from its last
+    exported step loaded in bfloat16, not in the float32 on the CPU that load_drafter defaults to."""
+    import copy
+
+    from prune import progressive
+
+    target, drafter, root, prompts, decode, trajectories, _ = campaign
+    half = copy.deepcopy(drafter).to(torch.bfloat16)
+    config = config_of(decode, heal=HealConfig(steps=0))
+
+    def campaign_run(**kwargs):
+        return run_pruning(half, root / "source", prompts, tmp_path / "out", config, target=target,
+                           trajectories=trajectories, log=lambda *_: None, **kwargs)
+
+    with export_interrupted_at(monkeypatch, 2), pytest.raises(KeyboardInterrupt):
+        campaign_run()
+    scored, real_score_layers = [], progressive.score_layers
+
+    def score_layers(model, *args, **kwargs):
+        scored.append(next(model.parameters()).dtype)
+        return real_score_layers(model, *args, **kwargs)
+
+    monkeypatch.setattr(progressive, "score_layers", score_layers)
+    state = campaign_run(resume=True)
+    assert len(state["history"]) == 2 and scored == [torch.bfloat16]  # step 2 scored step-01 as the run computes
+
+
+def test_a_scoring_round_is_continued_only_on_the_device_and_dtype_it_began_on(campaign, tmp_path, monkeypatch):
+    import prune.scoring as scoring
+    from prune import progressive
+
+    config = config_of(campaign[4], layers_to_remove=1, heal=HealConfig(steps=0))
+
+    def killed(name):
+        if name == "score-layer":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(scoring, "fault_point", killed)
+    with pytest.raises(KeyboardInterrupt):  # after the round's base and first layer are in its journal
+        run(campaign, tmp_path / "out", config)
+    assert list((tmp_path / "out").glob("scoring-*.json"))
+    monkeypatch.setattr(scoring, "fault_point", lambda name: None)
+    evaluated, real_evaluate, real_placement = [], scoring.evaluate, progressive.placement
+    monkeypatch.setattr(scoring, "evaluate", lambda *a, **k: evaluated.append(1) or real_evaluate(*a, **k))
+    monkeypatch.setattr(progressive, "placement", lambda model: (real_placement(model)[0], "cuda:0"))
+    run(campaign, tmp_path / "out", config, resume=True)
+    assert len(evaluated) == 4  # the base and all three layers again: the journal was another device's

@@ -385,5 +385,35 @@ def test_trials_share_one_timing_and_wait_while_an_earlier_trial_measures_it(swe
     start = time.monotonic()
     timing = objective.study_timing(second, score, wait_s=1.0)  # trial 0 runs without timing: wait, then measure
     assert time.monotonic() - start >= 1.0
-    assert timing["layers"] == 3 and study.user_attrs == {f"timing/packed_budget={score.decode.packed_budget}": timing}
+    key = f"timing/packed_budget={score.decode.packed_budget}/cpu/float32"  # device and dtype in the key
+    assert timing["layers"] == 3 and study.user_attrs == {key: timing}
     assert objective.study_timing(first, score) == timing  # read back, not measured again
+
+
+def test_a_trials_measurement_loads_its_final_drafter_in_the_runs_dtype(sweep_data, tmp_path, monkeypatch):
+    """The sweep measures a trial's final step on the device and in the dtype its campaign computed in
+    (bfloat16 on the CPU here), not in load_drafter's default float32 on the CPU."""
+    import copy
+    from dataclasses import replace
+
+    import prune.scoring
+    import sweeps.objective
+    import torch
+
+    half = copy.deepcopy(sweep_data.drafter).to(torch.bfloat16)
+    objective = PruningObjective(sweep_config(tmp_path), SearchSpace.from_text(SPACE),
+                                 replace(sweep_data, drafter=half), log=lambda *_: None)
+    save_drafter(half, tmp_path / "step-01")
+    evaluated, real_evaluate = [], prune.scoring.evaluate
+
+    def evaluate(model, *args, **kwargs):
+        evaluated.append(next(model.parameters()).dtype)
+        return real_evaluate(model, *args, **kwargs)
+
+    monkeypatch.setattr(prune.scoring, "evaluate", evaluate)
+    monkeypatch.setattr(sweeps.objective, "exported_checkpoint", lambda out, folder: str(out / folder))
+    state = {"timing": {"layers": 3, "draft": [1.0, 0.5], "packed": [2.0, 0.75], "target": None},
+             "history": [{"folder": "step-01", "layers": 3, "tau": 2.0, "retention": 1.0}],
+             "base": {"tau": 2.0}, "stopped_by": "layer budget"}
+    metrics = objective.measure(state, tmp_path)
+    assert evaluated == [torch.bfloat16, torch.bfloat16] and metrics["eval_tau"] > 1  # base, then step-01

@@ -89,9 +89,9 @@ def decode_config(args, pair, drafter=None, log=None, target_times=None, **field
     """The DecodeConfig of `add_decode_args` flags for `pair` (and `drafter`, default the pair's), and the
     pair's pass times (decode.cost.PassTimes; the adaptive width policy is derived from them).
 
-    Pass times are measured once per drafter, target, device, dtype, thread count and packed budget and
-    kept in the cache folder (unless --no-cache), so that repeated runs choose the same widths: decisions,
-    tau and the score cache stay reproducible on one machine. `target_times`: pass times of the same target
+    Pass times are measured once per drafter, target, device (and GPU model), dtype, thread count and packed
+    budget and kept in the cache folder (unless --no-cache), so that repeated runs choose the same widths:
+    decisions, tau and the score cache stay reproducible on one machine. `target_times`: pass times of the same target
     with another drafter; only this drafter's passes are then measured, so drafters compared in one run
     share one measurement of the target. `fields` set other DecodeConfig attributes.
     """
@@ -103,16 +103,17 @@ def decode_config(args, pair, drafter=None, log=None, target_times=None, **field
     from decode.decoders import DecodeConfig
     from decode.timing import measure_pass_times
     from models._wheels import resolve_cache_dir
-    from prune.scoring import cached_json, fingerprint
+    from prune.scoring import cached_json, fingerprint, placement
 
     config = DecodeConfig(stop_ids=pair.stop_ids, packed_budget=args.packed_budget,
                           draft_threads=args.draft_threads, **fields)
     drafter = drafter or pair.drafter
     config.verify_block(drafter.config.block_size)
-    weight = next(pair.target.parameters())
-    key = fingerprint("pass-times v2", fingerprint(drafter), fingerprint(pair.target), str(weight.dtype),
-                      str(weight.device), torch.get_num_threads(), config.packed_budget, config.draft_threads,
-                      config.block_size, platform.machine(), platform.processor(), torch.__version__)
+    device = next(drafter.parameters()).device
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    key = fingerprint("pass-times v2", fingerprint(drafter), *placement(drafter), fingerprint(pair.target),
+                      *placement(pair.target), torch.get_num_threads(), config.packed_budget, config.draft_threads,
+                      config.block_size, platform.machine(), platform.processor(), gpu, torch.__version__)
     cache = None if getattr(args, "no_cache", False) else resolve_cache_dir(getattr(args, "cache_dir", None))
 
     def measure():

@@ -59,7 +59,15 @@ def run(args) -> int:
     from decode.timing import drafter_layer_costs
     from models._wheels import resolve_cache_dir
     from prune.progress import progress_bar
-    from prune.scoring import ScoreConfig, cached_json, cached_trajectories, fingerprint, score_layers, trajectory_key
+    from prune.scoring import (
+        ScoreConfig,
+        cached_json,
+        cached_trajectories,
+        fingerprint,
+        placement,
+        score_layers,
+        trajectory_key,
+    )
 
     pair, prompts, drafter_dir, target_path, source = load_pair_and_prompts(args)
     decode, times = decode_config(args, pair, max_new_tokens=args.max_new_tokens)
@@ -70,8 +78,9 @@ def run(args) -> int:
     cache = None if args.no_cache else resolve_cache_dir(args.cache_dir)
     trajectories = cached_trajectories(cache, pair.target, ids, decode) if args.verify == "replay" else None
     drafter_hash = fingerprint(pair.drafter)
-    key = fingerprint("scores", drafter_hash, trajectory_key(pair.target, ids, decode), config.criterion,
-                      config.verify, config.bootstrap, config.seed, asdict(decode))
+    # The drafter's dtype and device as well as its weights (the target's are in the trajectory key).
+    key = fingerprint("scores", drafter_hash, *placement(pair.drafter), trajectory_key(pair.target, ids, decode),
+                      config.criterion, config.verify, config.bootstrap, config.seed, asdict(decode))
     layers = pair.drafter.config.num_hidden_layers
 
     def score() -> dict:
