@@ -1,4 +1,4 @@
-"""Layer surgery: remove decoder layers and keep config, module indices and provenance in sync.
+"""Layer surgery: remove (or split) decoder layers and keep config, module indices and provenance in sync.
 
 Three things must agree after a removal (docs/design.md, Layer surgery): `num_hidden_layers`, every per-layer list
 in the config (`layer_types`, ...), and the `layer_idx` of every attention module, which selects the
@@ -46,18 +46,54 @@ def remove_layers(model: torch.nn.Module, indices) -> torch.nn.Module:
     if len(remove) >= n:
         raise ConfigError(f"cannot remove all {n} layers; at least one layer must remain")
     keep = [i for i in range(n) if i not in remove]
+    original = list(getattr(config, PROVENANCE_KEY, None) or range(n))
+    return _rebuilt(model, [(i, 1.0) for i in keep], [original[i] for i in keep])
 
+
+def split_layers(model: torch.nn.Module, replace, sources) -> torch.nn.Module:
+    """Return a copy of `model` without the layers at `replace`, each layer at `sources` followed by a copy
+    of itself; a source and its copy each keep half of the source's output projections (o_proj, down_proj).
+
+    Their two residual updates then start near the source's one (net2net-style deepening, exact to first
+    order in the update), so the model's function barely moves while every layer starts trained: the way
+    to give layers that never learned (identities at initialisation, see prune/training/transplant.py) a
+    trained start. With as many sources as replaced layers the depth is unchanged. The copy is a new
+    drafter, not a pruned one: `original_layer_indices` restarts at 0..n-1.
+    """
+    n = model.config.num_hidden_layers
+    replace, sources = sorted(set(int(i) for i in replace)), sorted(set(int(i) for i in sources))
+    bad = [i for i in replace + sources if not 0 <= i < n]
+    if bad or set(replace) & set(sources):
+        raise ConfigError(f"layers to split ({sources}) and to replace ({replace}) must be distinct indices in 0..{n - 1}")
+    order = []
+    for i in range(n):
+        if i not in replace:
+            order += [(i, 0.5), (i, 0.5)] if i in sources else [(i, 1.0)]
+    return _rebuilt(model, order, list(range(len(order))))
+
+
+def _rebuilt(model: torch.nn.Module, order: list[tuple[int, float]], provenance: list[int]) -> torch.nn.Module:
+    """A copy of `model` whose layers are `order`'s (source index, output scale) in turn (a source listed
+    twice is copied), with config lists, `layer_idx` and `original_layer_indices` (`provenance`) in sync."""
+    config = model.config
     new_model = copy.deepcopy(model)
     new_config = new_model.config  # deepcopy keeps every submodule's reference pointing at this object
-    original = list(getattr(config, PROVENANCE_KEY, None) or range(n))
     for key in per_layer_config_keys(config):
         values = getattr(config, key)
-        setattr(new_config, key, type(values)(values[i] for i in keep))
-    setattr(new_config, PROVENANCE_KEY, [original[i] for i in keep])
-    new_config.num_hidden_layers = len(keep)
+        setattr(new_config, key, type(values)(values[i] for i, _ in order))
+    setattr(new_config, PROVENANCE_KEY, provenance)
+    new_config.num_hidden_layers = len(order)
 
-    layers = new_model.model.layers
-    new_model.model.layers = torch.nn.ModuleList(layers[i] for i in keep)
+    layers, used, rebuilt = new_model.model.layers, set(), []
+    for i, _ in order:  # every copy is taken before any layer is scaled
+        rebuilt.append(copy.deepcopy(layers[i]) if i in used else layers[i])
+        used.add(i)
+    with torch.no_grad():
+        for layer, (_, scale) in zip(rebuilt, order):
+            if scale != 1.0:
+                layer.self_attn.o_proj.weight.mul_(scale)
+                layer.mlp.down_proj.weight.mul_(scale)
+    new_model.model.layers = torch.nn.ModuleList(rebuilt)
     for new_idx, layer in enumerate(new_model.model.layers):
         for module in layer.modules():
             if hasattr(module, "layer_idx"):

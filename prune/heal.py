@@ -29,7 +29,9 @@ class HealConfig:
         steps: optimizer updates (0 disables healing).
         rank, alpha, dropout: LoRA rank, scaling numerator (scale = alpha / rank) and dropout.
         target_modules: module names that get adapters.
-        lr, batch_size, warmup_steps, blocks_per_sequence, max_length: as in `TrainConfig`.
+        lr, batch_size, warmup_steps, blocks_per_sequence, max_length, gamma: as in `TrainConfig`.
+        distill_weight: share of the loss that matches the teacher passed to `heal` (the drafter before
+            the layers were removed) instead of the target's tokens (`TrainConfig.distill_weight`).
         seed: seeds adapter initialisation, batch order and anchors.
     """
 
@@ -43,6 +45,8 @@ class HealConfig:
     warmup_steps: int = 5
     blocks_per_sequence: int = 16
     max_length: int = 320
+    gamma: float = TrainConfig.gamma
+    distill_weight: float = 0.0
     seed: int = 0
 
     def validate(self) -> None:
@@ -55,8 +59,8 @@ class HealConfig:
     def train_config(self) -> TrainConfig:
         return TrainConfig(
             steps=self.steps, batch_size=self.batch_size, lr=self.lr, warmup_steps=min(self.warmup_steps, self.steps),
-            blocks_per_sequence=self.blocks_per_sequence, max_length=self.max_length, seed=self.seed,
-            progress=False,
+            blocks_per_sequence=self.blocks_per_sequence, max_length=self.max_length, gamma=self.gamma,
+            distill_weight=self.distill_weight, seed=self.seed, progress=False,
         )
 
 
@@ -73,13 +77,16 @@ def add_lora(model: torch.nn.Module, config: HealConfig):
         return get_peft_model(copy.deepcopy(model), lora)
 
 
-def heal(model: torch.nn.Module, examples: list[Example], config: HealConfig, device=None):
-    """LoRA-fine-tune a copy of `model` on `examples` and merge it; returns (healed model, loss history)."""
+def heal(model: torch.nn.Module, examples: list[Example], config: HealConfig, device=None, teacher=None):
+    """LoRA-fine-tune a copy of `model` on `examples` and merge it; returns (healed model, loss history).
+
+    `teacher`: the drafter `model` was pruned from, matched with weight `config.distill_weight`."""
     config.validate()
     if config.steps == 0:
         return copy.deepcopy(model), []
     peft_model = add_lora(model, config)
-    history = train(peft_model, examples, config.train_config(), device=device)
+    history = train(peft_model, examples, config.train_config(), device=device,
+                    teacher=teacher if config.distill_weight > 0 else None)
     fault_point("heal")
     merged = peft_model.merge_and_unload()
     return merged.eval(), history

@@ -11,6 +11,7 @@ import torch
 from _pairs import save_tiny_pair
 from conftest import build_tiny_drafter
 from models.drafter import save_drafter
+from models.provenance import FILE, overlap, prompt_set, read_training_prompts, training_prompts_text
 from prune.cli import main
 
 
@@ -396,11 +397,12 @@ def test_train_drafter_command_from_an_initial_drafter(tmp_path, capsys):
     data = tmp_path / "data"
     data.mkdir()
     gen = torch.Generator().manual_seed(0)
-    records = [{"id": str(i), "prompt_ids": torch.randint(0, 97, (5,), generator=gen).tolist(),
+    records = [{"id": str(i), "prompt": f"question {i}", "prompt_ids": torch.randint(0, 97, (5,), generator=gen).tolist(),
                 "response_ids": torch.randint(0, 97, (20,), generator=gen).tolist()} for i in range(10)]
     (data / "shard-00000.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
     (data / "manifest.json").write_text(json.dumps({"shards": 1, "max_new_tokens": 20}))
-    save_drafter(build_tiny_drafter(num_hidden_layers=2, block_size=4), tmp_path / "init")
+    save_drafter(build_tiny_drafter(num_hidden_layers=2, block_size=4), tmp_path / "init",
+                 extra_files={FILE: training_prompts_text([prompt_set("earlier", ["an older prompt"])])})
     args = ["train-drafter", "--data", str(data), "--init-from", str(tmp_path / "init"), "--out",
             str(tmp_path / "trained"), "--steps", "3", "--batch-size", "2", "--eval-size", "2", "--eval-every", "0",
             "--checkpoint-every", "0", "--warmup-steps", "1", "--no-progress", "--device", "cpu"]
@@ -408,6 +410,12 @@ def test_train_drafter_command_from_an_initial_drafter(tmp_path, capsys):
     provenance = json.loads((tmp_path / "trained" / "training.json").read_text())
     assert provenance["train_sequences"] == 8 and provenance["settings"]["steps"] == 3
     assert load_drafter(tmp_path / "trained").config.num_hidden_layers == 2
+    # What it was trained on: the initial drafter's record, then the data folder's 10 prompts.
+    sets = read_training_prompts(tmp_path / "trained")
+    assert [(s["name"], s["prompts"]) for s in sets] == [("earlier", 1), ("data", 10)]
+    assert overlap(sets, ["question 3", "an older prompt", "new"])[0] == 2
+    config = json.loads((tmp_path / "trained" / "config.json").read_text())
+    assert config["training_prompt_sets"] == [{k: s[k] for k in ("name", "prompts", "sha256")} for s in sets]
     capsys.readouterr()
     assert "not empty" in error_of(capsys, args)
     # --keep-best with --eval-data: the saved weights are those of the best evaluation, named in training.json.
@@ -419,6 +427,31 @@ def test_train_drafter_command_from_an_initial_drafter(tmp_path, capsys):
     assert sorted(proxies) == [1, 2, 3] and provenance["train_sequences"] == 8
     assert provenance["kept_best"] == {"step": max(proxies, key=proxies.get),
                                        "eval_accept_proxy": max(proxies.values())}
+
+
+def test_train_drafter_splits_idle_layers_of_an_initial_drafter(tmp_path, capsys):
+    from models.drafter import load_drafter
+
+    init = build_tiny_drafter(num_hidden_layers=5, block_size=4)
+    with torch.no_grad():  # layer 3 never learned: an identity
+        init.model.layers[3].self_attn.o_proj.weight.zero_()
+        init.model.layers[3].mlp.down_proj.weight.zero_()
+    save_drafter(init, tmp_path / "init")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "shard-00000.jsonl").write_text(json.dumps({"id": "0", "prompt_ids": [5, 6], "response_ids": [7] * 9}) + "\n")
+    (data / "manifest.json").write_text(json.dumps({"shards": 1, "max_new_tokens": 9}))
+    args = ["train-drafter", "--data", str(data), "--init-from", str(tmp_path / "init"), "--split-idle", "1",
+            "--save-initial", str(tmp_path / "split")]
+    assert main(args) == 0
+    assert "layers [3] replaced by halves of layers [2]" in capsys.readouterr().err
+    split = load_drafter(tmp_path / "split")
+    assert split.config.num_hidden_layers == 5 and list(split.config.original_layer_indices) == list(range(5))
+    half = init.model.layers[2].mlp.down_proj.weight / 2
+    assert all(torch.equal(split.model.layers[i].mlp.down_proj.weight, half.to(torch.bfloat16).float())
+               for i in (2, 3))
+    assert "with --init-from" in error_of(capsys, ["train-drafter", "--data", str(data), "--split-idle", "1",
+                                                    "--out", str(tmp_path / "x")])
 
 
 def test_train_drafter_keep_best_returns_the_weights_of_the_best_evaluation(tmp_path):

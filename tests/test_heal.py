@@ -70,3 +70,27 @@ def test_bad_heal_settings():
 
     with pytest.raises(ConfigError, match="--lora-rank"):
         HealConfig(rank=0).validate()
+
+
+def test_a_heal_with_a_teacher_pulls_a_pruned_drafter_towards_it():
+    from models.surgery import remove_layers
+
+    teacher = build_tiny_drafter(num_hidden_layers=3, block_size=4)
+    pruned = remove_layers(teacher, [1])
+    config = HealConfig(steps=6, rank=4, alpha=8, batch_size=4, lr=1e-2, distill_weight=1.0)
+    healed, history = heal(pruned, examples(), config, teacher=teacher)
+    assert history[-1]["loss"] < history[0]["loss"]  # the divergence from the teacher falls
+    again, _ = heal(pruned, examples(), config, teacher=teacher)
+    assert all(torch.equal(a, b) for a, b in zip(healed.parameters(), again.parameters()))
+    # Its divergence from the teacher on sequences it was not healed on falls too.
+    from prune.training.loss import build_batch, drafter_loss
+
+    held_out = [Example.from_prompt_response(ex.input_ids[:6].tolist(), ex.input_ids[6:].flip(0).tolist())
+                for ex in examples(4)]
+    batch = build_batch(held_out, 4, 97, 4, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        def divergence(model):
+            return drafter_loss(model, batch, teacher=teacher, distill_weight=1.0).total.item()
+        assert divergence(healed) < divergence(pruned)
+    with pytest.raises(Exception, match="distill_weight"):
+        heal(pruned, examples(), HealConfig(steps=1, distill_weight=1.5), teacher=teacher)

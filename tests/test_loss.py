@@ -127,3 +127,27 @@ def test_padding_does_not_change_the_loss(make_tiny_drafter):
     both = drafter_loss(model, pair)
     assert int(both.slot_count.sum()) == pair.slot_rows.numel() > int(base.slot_count.sum())
     assert math.isfinite(both.total.item())
+
+
+def test_teacher_term_is_a_kl_that_vanishes_on_the_teacher_and_mixes_with_ce(make_tiny_drafter):
+    """With a teacher, each row's loss is (1 - w) CE + w KL(teacher || model), KL over the proposable ids."""
+    from prune.training.loss import teacher_divergence
+
+    model, other = make_tiny_drafter(block_size=B), make_tiny_drafter(block_size=B, seed=5)
+    batch = build_batch([make_example(3, 9, seed=4)], B, MASK_ID, 0, anchors=[[4, 9]])
+    plain = drafter_loss(model, batch, gamma=2.0)
+    # The model as its own teacher: KL is 0, so w = 1 leaves nothing and w = 0.25 scales the CE by 0.75.
+    assert drafter_loss(model, batch, gamma=2.0, teacher=model, distill_weight=1.0).total.abs().item() < 1e-5
+    scaled = drafter_loss(model, batch, gamma=2.0, teacher=model, distill_weight=0.25)
+    assert math.isclose(scaled.total.item(), 0.75 * plain.total.item(), rel_tol=1e-5)
+    # Another teacher: a positive divergence, finite although masked ids are -inf in both.
+    taught = drafter_loss(model, batch, gamma=2.0, teacher=other, distill_weight=1.0)
+    assert taught.total.item() > 0 and math.isfinite(taught.total.item())
+    taught.total.backward()
+    assert all(p.grad is None for p in other.parameters())  # the teacher stays frozen
+    logits = torch.tensor([[0.0, 1.0, float("-inf")]])
+    assert teacher_divergence(logits, logits).item() == 0.0
+    expected = (F.softmax(logits[:, :2], -1) * (F.log_softmax(logits[:, :2], -1)
+                                               - F.log_softmax(torch.tensor([[1.0, 0.0]]), -1))).sum()
+    assert math.isclose(teacher_divergence(torch.tensor([[1.0, 0.0, float("-inf")]]), logits).item(),
+                        expected.item(), rel_tol=1e-6)

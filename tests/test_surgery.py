@@ -308,3 +308,38 @@ def test_drafter_from_a_pretrained_qwen3_checkpoint(tmp_path):
     assert torch.equal(drafter.get_input_embeddings().weight[:90], source.get_input_embeddings().weight)
     save_drafter(drafter, tmp_path / "drafter")
     assert load_drafter(tmp_path / "drafter").config.mask_token_id == 90
+
+
+def test_split_layers_replaces_idle_layers_by_halves_and_keeps_the_function_close(make_tiny_drafter, ids):
+    from models.surgery import split_layers
+    from prune.training.transplant import idle_layer_split
+
+    model = make_tiny_drafter(num_hidden_layers=6)
+    with torch.no_grad():
+        for i in (1, 4):  # two layers that never learned: identities
+            model.model.layers[i].self_attn.o_proj.weight.zero_()
+            model.model.layers[i].mlp.down_proj.weight.zero_()
+        for layer in model.model.layers:  # small updates, where halving is near-exact
+            layer.self_attn.o_proj.weight.mul_(0.05)
+            layer.mlp.down_proj.weight.mul_(0.05)
+    idle, sources = idle_layer_split(model, 2)
+    assert idle == [1, 4] and sources == [2, 5]  # spread over the remaining 0, 2, 3, 5
+    split = split_layers(model, idle, sources)
+    assert split.config.num_hidden_layers == 6 and list(split.config.original_layer_indices) == list(range(6))
+    source_of = [0, 2, 2, 3, 5, 5]
+    for new, old in enumerate(source_of):
+        halve = 0.5 if old in sources else 1.0
+        assert torch.equal(split.model.layers[new].mlp.down_proj.weight,
+                           halve * model.model.layers[old].mlp.down_proj.weight)
+        assert torch.equal(split.model.layers[new].mlp.up_proj.weight, model.model.layers[old].mlp.up_proj.weight)
+        assert split.model.layers[new].self_attn.layer_idx == new
+    assert split.model.layers[1] is not split.model.layers[2]  # a copy, not a shared module
+    with torch.no_grad():
+        want, got = model(ids).logits, split(ids).logits
+        removed = remove_layers(model, sources)(ids).logits  # what losing those layers' updates would do
+    assert (got - want).abs().max() < 0.1 * (removed - want).abs().max()
+    for bad in ([1], [7]):
+        with pytest.raises(ConfigError):
+            split_layers(model, bad, [1])
+    with pytest.raises(ConfigError, match="--split-idle 3"):
+        idle_layer_split(model, 3)

@@ -39,6 +39,10 @@ def run(args) -> int:
     if args.device != "auto":  # a device this machine lacks fails before anything is built
         resolve_device(args.device)
     data_weights(args)  # as early: one weight per --data folder
+    if args.split_idle and not args.init_from:
+        from models.errors import ConfigError
+
+        raise ConfigError("--split-idle splits the layers of a trained drafter; give it with --init-from DRAFTER")
     train_demo_drafter(args)
     return 0
 
@@ -93,6 +97,10 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                    help="--init slice: data sequences whose target activations choose the rotation, heads and neurons")
     p.add_argument("--init-from", type=t.drafter_dir, default=None,
                    help="start from this drafter folder instead of building one (sizes and --init ignored)")
+    p.add_argument("--split-idle", type=t.non_negative_int, default=0, metavar="N",
+                   help="with --init-from: replace its N layers with the smallest output projections (layers that "
+                   "never learned) by copies of N trained layers spread over the rest, each split in two halves "
+                   "(models/surgery.py split_layers); 0: keep the layers as they are")
     p.add_argument("--save-initial", type=t.output_dir, default=None,
                    help="only build the initial drafter (with its embedding init) and save it here, then exit")
 

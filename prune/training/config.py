@@ -29,6 +29,9 @@ class TrainConfig:
         blocks_per_sequence: N, mask blocks per training sequence (fewer when the response is short).
         gamma: slot weight decay, w_i = exp(-(i-1)/gamma).
         ar_weight: lambda, weight of the autoregressive loss on the clean stream.
+        distill_weight: w in [0, 1]; with a teacher drafter (`train(..., teacher=)`), every supervised row's
+            loss is (1 - w) * cross entropy on the target's token + w * KL(teacher || model) over the ids
+            inference can propose. Healing uses it to pull a pruned drafter back to the drafter it came from.
         max_length: crop sequences to this many tokens.
         pad_multiple: pad the query length of each batch to a multiple of this.
         seed: seeds batch order and anchors.
@@ -56,6 +59,7 @@ class TrainConfig:
     blocks_per_sequence: int = 16
     gamma: float = 7.0
     ar_weight: float = 1.0
+    distill_weight: float = 0.0
     max_length: int = 1024
     pad_multiple: int = 16
     seed: int = 0
@@ -82,6 +86,8 @@ class TrainConfig:
         if not self.gamma > 0 or self.ar_weight < 0 or self.grad_clip < 0:
             raise ConfigError(f"gamma {self.gamma} must be > 0, ar_weight {self.ar_weight} and grad_clip "
                               f"{self.grad_clip} >= 0")
+        if not 0 <= self.distill_weight <= 1:
+            raise ConfigError(f"distill_weight {self.distill_weight} must be in [0, 1]")
 
 
 _LOOP = TrainConfig()

@@ -203,7 +203,7 @@ def training_prompt_set(folder: str | os.PathLike, partial: bool = False) -> dic
     named after the folder; `partial` as in `load_distillation_data` (what a `--partial-data` run read)."""
     from models.provenance import prompt_set
 
-    return prompt_set(Path(folder).name, [record["prompt"] for record in load_distillation_data(folder, partial)])
+    return prompt_set(Path(folder).name, [record.get("prompt") or "" for record in load_distillation_data(folder, partial)])
 
 
 def read_manifest(folder: str | os.PathLike) -> dict:

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from models.provenance import FILE as PROMPTS_FILE, summary as prompt_summary, training_prompts_text
+
 from .data import load_examples, read_manifest, split_examples
 
 
@@ -168,6 +170,21 @@ def build_initial_drafter(args: argparse.Namespace):
     return (*_fresh_drafter(args, target_dir, vocab, real_vocab), params)
 
 
+def saved_drafter(args: argparse.Namespace):
+    """`--init-from`: (the saved drafter, with `--split-idle` layers split; init note; its folder)."""
+    from models.drafter import load_drafter
+    from models.surgery import split_layers
+
+    from .transplant import idle_layer_split
+
+    model, note = load_drafter(args.init_from), f"from {args.init_from}"
+    if args.split_idle:
+        idle, sources = idle_layer_split(model, args.split_idle)
+        model = split_layers(model, idle, sources)
+        note += f", layers {idle} replaced by halves of layers {sources}"
+    return model, note, Path(args.init_from)
+
+
 def _target_dir(args: argparse.Namespace) -> Path:
     """The target folder: --target, or the one named in the first --data folder's manifest."""
     return Path(args.target or read_manifest(args.data[0]).get("target") or "")
@@ -271,9 +288,12 @@ def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
                           "cpu" if args.device == "auto" else args.device)
     bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
     if args.save_initial:
-        model, init_note, _ = build_initial_drafter(args)
+        if args.init_from:
+            model, init_note, tokenizer_dir = saved_drafter(args)
+        else:
+            (model, init_note, _), tokenizer_dir = build_initial_drafter(args), _target_dir(args)
         print(f"embedding init: {init_note}", file=sys.stderr)
-        return save_drafter(model, args.save_initial, tokenizer_source=_target_dir(args), overwrite=args.overwrite,
+        return save_drafter(model, args.save_initial, tokenizer_source=tokenizer_dir, overwrite=args.overwrite,
                             dtype=torch.bfloat16)
     if not args.out:
         raise DataError("--out is required (the folder the trained drafter is written to)")
@@ -289,7 +309,7 @@ def _train_and_save(args: argparse.Namespace, out: Path, checkpoint_dir: Path, d
 
     import torch
 
-    from models.drafter import load_drafter, save_drafter
+    from models.drafter import save_drafter
 
     from .config import TrainConfig
     from .loop import CHECKPOINT_STATE, train
@@ -297,7 +317,7 @@ def _train_and_save(args: argparse.Namespace, out: Path, checkpoint_dir: Path, d
     manifests = [read_manifest(folder) for folder in args.data]
     if args.init_from:
         # Start from a saved drafter (e.g. one built here with the PCA embedding, trained on another machine).
-        model, init_note, tokenizer_dir = load_drafter(args.init_from), f"from {args.init_from}", Path(args.init_from)
+        model, init_note, tokenizer_dir = saved_drafter(args)
         params = sum(p.numel() for p in model.parameters())
     else:
         model, init_note, params = build_initial_drafter(args)
@@ -334,15 +354,32 @@ def _train_and_save(args: argparse.Namespace, out: Path, checkpoint_dir: Path, d
         "device": str(device), "torch_version": torch.__version__, "parameters": params, "embedding_init": init_note,
         "train_sequences": len(training), "heldout_sequences": len(heldout),
         "train_seconds_this_call": round(seconds, 1), **({"kept_best": kept} if best else {})})
+    sets = training_prompt_sets(args)
+    model.config.training_prompt_sets = prompt_summary(sets)
     folder = save_drafter(model.float().cpu(), out, tokenizer_source=tokenizer_dir, overwrite=args.overwrite,
                           dtype=torch.bfloat16,
-                          extra_files={"training.json": json.dumps(provenance, indent=2, sort_keys=True, default=str) + "\n"})
+                          extra_files={"training.json": json.dumps(provenance, indent=2, sort_keys=True, default=str) + "\n",
+                                       PROMPTS_FILE: training_prompts_text(sets)})
     if not args.keep_checkpoints:
         shutil.rmtree(checkpoint_dir, ignore_errors=True)
         if best:
             best.file.unlink(missing_ok=True)
     print(f"saved the drafter to {folder}", file=sys.stderr)
     return folder
+
+
+def training_prompt_sets(args: argparse.Namespace) -> list[dict]:
+    """The trained drafter's record of training prompts (models/provenance.py): every prompt of each --data
+    folder (held-out sequences included: they are one draw away from being trained on), after the record
+    of the --init-from drafter (sets already there are not repeated)."""
+    from models.provenance import read_training_prompts
+
+    from .data import training_prompt_set
+
+    new = [training_prompt_set(folder, args.partial_data) for folder in args.data]
+    inherited = (read_training_prompts(args.init_from) or []) if args.init_from else []
+    known = {entry["sha256"] for entry in new}
+    return [entry for entry in inherited if entry["sha256"] not in known] + new
 
 
 def _provenance(args: argparse.Namespace, config, history: list[dict], manifests: list[dict], facts: dict) -> dict:

@@ -149,6 +149,7 @@ def train(
     config: TrainConfig,
     callback: Callable[[int, torch.nn.Module], dict | None] | None = None,
     device: str | torch.device | None = None,
+    teacher: torch.nn.Module | None = None,
 ) -> list[dict]:
     """Train `model` on `dataset` with the drafter's loss; return the loss history.
 
@@ -158,6 +159,8 @@ def train(
         callback: `callback(step, model) -> dict | None`, called in eval mode under `no_grad` every
             `config.eval_every` steps and after the last; a returned dict is merged into that step's record.
         device: where to train (default: where the model is); the model is moved there.
+        teacher: a drafter whose predictions the loss also matches (`config.distill_weight`); moved to
+            `device` and kept frozen.
 
     Returns:
         One dict per optimizer update: step (1-based), lr, loss, diff, ar, grad_norm, accept_proxy,
@@ -176,12 +179,14 @@ def train(
     if folder is not None and config.resume and (folder / CHECKPOINT_STATE).is_file():
         step, history = _load_checkpoint(folder, config, optim.params, optim.optimizer, optim.scheduler,
                                          batches.sampler, batches.anchors)
+    if teacher is not None:
+        teacher.to(device).eval().requires_grad_(False)
     model.train()
     call_start = time.perf_counter()
     with _progress_bar(config.progress, config.steps, step) as advance, ThreadPoolExecutor(1) as worker:
         batches.start(worker)  # the CPU builds the next batch while the device computes this one
         while step < config.steps:
-            record = _update(model, batches, optim, config, device, step)
+            record = _update(model, batches, optim, config, device, step, teacher)
             step += 1
             history.append(record)
             out_of_time = config.max_seconds > 0 and time.perf_counter() - call_start > config.max_seconds
@@ -202,7 +207,7 @@ def train(
 
 
 def _update(model: torch.nn.Module, batches: _Batches, optim: _Optimizer, config: TrainConfig,
-            device: torch.device, step: int) -> dict:
+            device: torch.device, step: int, teacher: torch.nn.Module | None = None) -> dict:
     """Optimizer update `step` + 1 over `config.grad_accum` micro-batches; returns its history record.
 
     Losses are averaged over the micro-batches (each backward is scaled by 1 / grad_accum); the record
@@ -214,7 +219,7 @@ def _update(model: torch.nn.Module, batches: _Batches, optim: _Optimizer, config
     for _ in range(config.grad_accum):
         batch = batches.next(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
-            out = drafter_loss(model, batch, config.gamma, config.ar_weight)
+            out = drafter_loss(model, batch, config.gamma, config.ar_weight, teacher, config.distill_weight)
         (out.total / config.grad_accum).backward()
         outs.append(out)
         tokens += batch.input_ids.numel()

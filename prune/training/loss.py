@@ -259,15 +259,8 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
     return torch.exp(-torch.arange(block_size, dtype=torch.float32) / gamma)
 
 
-def drafter_loss(
-    model: torch.nn.Module, batch: DiffusionBatch, gamma: float = TrainConfig.gamma,
-    ar_weight: float = TrainConfig.ar_weight,
-) -> LossOutput:
-    """L = L_diff + ar_weight * L_AR on a batch already on the model's device.
-
-    The mask must have the attention dtype (float32, or bfloat16 under bf16 autocast). Runs the decoder
-    layers on every query row and the head only on the S + A supervised rows.
-    """
+def _supervised_logits(model: torch.nn.Module, batch: DiffusionBatch, rows: torch.Tensor) -> torch.Tensor:
+    """Masked logits `(rows, vocab)` float32 of `model` at flat query rows `rows` of `batch`."""
     lm = causal_lm(model)
     hidden = lm.model(
         input_ids=batch.input_ids,
@@ -275,12 +268,37 @@ def drafter_loss(
         position_ids=batch.position_ids,
         use_cache=False,
     ).last_hidden_state  # (batch, Q, hidden)
-    flat = hidden.reshape(-1, hidden.shape[-1])
+    return masked_logits(lm, hidden.reshape(-1, hidden.shape[-1])[rows])
+
+
+def teacher_divergence(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || model) per row `(rows,)`, over the ids both leave finite (masked ids are -inf in both)."""
+    finite = torch.isfinite(teacher_logits)
+    log_p, log_q = F.log_softmax(teacher_logits, -1), F.log_softmax(logits, -1)
+    return torch.where(finite, log_p.exp() * (log_p - log_q), 0.0).sum(-1)
+
+
+def drafter_loss(
+    model: torch.nn.Module, batch: DiffusionBatch, gamma: float = TrainConfig.gamma,
+    ar_weight: float = TrainConfig.ar_weight, teacher: torch.nn.Module | None = None,
+    distill_weight: float = TrainConfig.distill_weight,
+) -> LossOutput:
+    """L = L_diff + ar_weight * L_AR on a batch already on the model's device.
+
+    The mask must have the attention dtype (float32, or bfloat16 under bf16 autocast). Runs the decoder
+    layers on every query row and the head only on the S + A supervised rows. With a `teacher` (a frozen
+    drafter on the same device) and `distill_weight` w > 0, each row's cross entropy becomes
+    (1 - w) * CE + w * KL(teacher || model) (TrainConfig.distill_weight).
+    """
     num_slots = batch.slot_rows.numel()
     rows = torch.cat([batch.slot_rows, batch.ar_rows])
-    logits = masked_logits(lm, flat[rows])  # (S + A, vocab) float32
+    logits = _supervised_logits(model, batch, rows)  # (S + A, vocab) float32
     targets = torch.cat([batch.slot_targets, batch.ar_targets])
     ce = F.cross_entropy(logits, targets, reduction="none")
+    if teacher is not None and distill_weight > 0:
+        with torch.no_grad():
+            teacher_logits = _supervised_logits(teacher, batch, rows)
+        ce = (1 - distill_weight) * ce + distill_weight * teacher_divergence(logits, teacher_logits)
     ce_slot, ce_ar = ce[:num_slots], ce[num_slots:]
 
     weights = slot_weights(batch.block_size, gamma).to(ce.device)[batch.slot_number]  # (S,)

@@ -247,3 +247,23 @@ def pca_embedding(source: torch.Tensor, width: int, std: float) -> tuple[torch.T
     directions, kept = principal_directions(x.T @ x / x.shape[0], width)
     projected = x @ directions
     return projected * (std / projected.std()), kept
+
+
+def idle_layer_split(model: torch.nn.Module, count: int) -> tuple[list[int], list[int]]:
+    """(the `count` layers whose output projections are smallest, `count` layers to split in their place)
+    for `models.surgery.split_layers`.
+
+    A layer that began as an identity (o_proj and down_proj zero) and barely moved in training has small
+    output projections: its size is ||o_proj||_F + ||down_proj||_F (the demo drafter's layers 30-35: 23,
+    against 75-110 for the others). The layers to split are spread evenly over the rest, so depth is added
+    everywhere rather than in one place.
+    """
+    layers = model.model.layers
+    if not 0 < count < len(layers) / 2:
+        raise ConfigError(f"--split-idle {count}: choose 1 to {(len(layers) - 1) // 2} (fewer than half the "
+                          f"drafter's {len(layers)} layers)")
+    size = [float(layer.self_attn.o_proj.weight.detach().norm() + layer.mlp.down_proj.weight.detach().norm())
+            for layer in layers]
+    idle = sorted(sorted(range(len(layers)), key=lambda i: size[i])[:count])
+    rest = [i for i in range(len(layers)) if i not in idle]
+    return idle, [rest[int((k + 0.5) * len(rest) / count)] for k in range(count)]
