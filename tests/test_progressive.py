@@ -12,7 +12,7 @@ from models.drafter import save_drafter
 from models.errors import CheckpointError, ConfigError
 from models.objective import Example
 from prune.heal import HealConfig
-from prune.progressive import RunConfig, run_pruning
+from prune.progressive import Campaign, RunConfig, RunHooks, run_pruning
 from prune.scoring import ScoreConfig, record_trajectories
 
 
@@ -38,8 +38,8 @@ def config_of(decode, **overrides) -> RunConfig:
 
 def run(campaign, out, config, **kwargs):
     target, drafter, root, prompts, _, trajectories, examples = campaign
-    return run_pruning(drafter, root / "source", prompts, out, config, target=target, trajectories=trajectories,
-                       heal_examples=examples, log=lambda *_: None, **kwargs)
+    return run_pruning(Campaign(drafter, root / "source", prompts, target, trajectories, examples), out, config,
+                       hooks=RunHooks(log=lambda *_: None), **kwargs).to_dict()
 
 
 def weights(folder):
@@ -85,8 +85,8 @@ def test_a_campaign_continues_from_an_exported_step(campaign, tmp_path):
     first = run(campaign, tmp_path / "first", config_of(decode, layers_to_remove=1))
     step = tmp_path / "first" / "step-01"
     kept = json.loads((step / "config.json").read_text())["original_layer_indices"]
-    second = run_pruning(load_drafter(step), step, prompts, tmp_path / "second", config_of(decode, layers_to_remove=1),
-                         target=target, trajectories=trajectories, heal_examples=examples, log=lambda *_: None)
+    second = run_pruning(Campaign(load_drafter(step), step, prompts, target, trajectories, examples), tmp_path / "second",
+                         config_of(decode, layers_to_remove=1), hooks=RunHooks(log=lambda *_: None)).to_dict()
     assert second["history"][0]["removed_original"][0] in kept
     assert first["history"][0]["removed_original"][0] not in kept
     assert (tmp_path / "second" / "layer_scores.png").read_bytes()[:4] == b"\x89PNG"

@@ -23,7 +23,8 @@ from prune.heal import HealConfig
 from prune.scoring import ScoreConfig, record_trajectories
 from sweeps.objective import PruningObjective, SweepConfig, SweepData
 from sweeps.space import DEFAULT_SPACE, SearchSpace
-from sweeps.study import OVER_BUDGET, make_storage, open_study, run_worker, summarize
+from sweeps.storages import make_storage
+from sweeps.study import OVER_BUDGET, open_study, run_worker, summarize
 
 SPACE = """
 [params.layers_to_remove]
