@@ -11,6 +11,7 @@ from models.errors import ConfigError
 from .cost import CandidatePolicy, PassTimes, WidthPolicy
 from .registry import ASSISTED, BASELINE, DECODERS, OURS, check_decoder_names
 
+# Choices of the decoder flags; the first of WIDTH_MODES and CANDIDATE_MODES is the default.
 VERIFY_MODES = ("live", "replay")  # the target verifies, or its recorded greedy trajectory answers (decode.verifiers)
 WIDTH_MODES = ("adaptive", "fixed")  # verify width per round: chosen by the cost model, or the block size
 CANDIDATE_MODES = ("adaptive", "all")  # async candidates: as many as pay for themselves, or all that fit

@@ -22,12 +22,12 @@ import torch
 from models.errors import ConfigError, DataError
 from models.masks import BlockSpec
 
+from . import registry
 from .acceptance import greedy_outcome, sample_token, sampled_outcome
 from .config import DecodeConfig
 from .cost import WidthPolicy
 from .engine import BlockPrediction, DraftEngine, DraftRequest
 from .planner import plan_candidates
-from . import registry
 from .verifiers import LiveVerifier, TargetOutput, Verifier
 from .worker import draft_worker, thread_split
 

@@ -87,7 +87,7 @@ class Generator:
 
     Attributes:
         pair: the loaded models.Pair (drafter, target, tokenizer, stop ids).
-        config: the decode.decoders.DecodeConfig of every call; `generate` sets its max_new_tokens,
+        config: the decode.config.DecodeConfig of every call; `generate` sets its max_new_tokens,
             temperature and seed. Replace it to change the decoder settings.
     """
 

@@ -22,7 +22,6 @@ down) is `calib`, the rest `eval`. Every category splits evenly, so the parts ar
 135/135. The split depends only on the pinned data, never on a seed.
 """
 
-import gzip
 import hashlib
 import json
 import os
@@ -30,6 +29,8 @@ from pathlib import Path
 
 from models._wheels import WheelFile, pinned_file
 from models.errors import DataError
+
+from .prompts import read_jsonl
 
 SUITES = ("humaneval", "mtbench", "champ")
 PARTS = ("calib", "eval")
@@ -199,14 +200,14 @@ def _records_with_groups(name: str, cache_dir, fetch: bool) -> list[tuple[dict, 
     file = suite_data_file(name, cache_dir, fetch)
     try:
         if name == "humaneval":
-            return [(_humaneval_record(item), "all") for item in _read_jsonl(file)]
+            return [(_humaneval_record(item), "all") for _, item in read_jsonl(file)]
         if name == "mtbench":
-            return [(_mtbench_record(item), item["category"]) for item in _read_jsonl(file)]
+            return [(_mtbench_record(item), item["category"]) for _, item in read_jsonl(file)]
         return [
             ({"id": pid, "prompt": CHAMP_INSTRUCTION.format(text=p["_text"])}, p["category"])
             for pid, p in _champ_problems(file).items()
         ]
-    except (KeyError, TypeError, ValueError, OSError) as exc:
+    except (KeyError, TypeError, ValueError, OSError, DataError) as exc:
         raise DataError(f"{file} is not a valid {name} data file ({exc!r}); delete it so it is fetched again") from None
 
 
@@ -216,12 +217,6 @@ def _humaneval_record(item: dict) -> dict:
 
 def _mtbench_record(item: dict) -> dict:
     return {"id": f"mtbench/{item['question_id']}", "prompt": item["turns"][0], "turns": list(item["turns"])}
-
-
-def _read_jsonl(file: Path) -> list[dict]:
-    opener = gzip.open if file.suffix == ".gz" else open
-    with opener(file, "rt", encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
 
 
 def _champ_problems(file: Path) -> dict[str, dict]:

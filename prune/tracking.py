@@ -226,7 +226,8 @@ class Tracker:
         table = _score_table([asdict(s) for s in record.scores], record.step)
         run.log({
             STEP_AXIS: state.timing.layers - record.layers, "pruning/step": record.step,
-            "pruning/layers": record.layers, "pruning/tau": record.tau, "pruning/tau_before_heal": record.tau_before_heal,
+            "pruning/layers": record.layers, "pruning/tau": record.tau,
+            "pruning/tau_before_heal": record.tau_before_heal,
             "pruning/retention": record.retention, "pruning/heal_rolled_back": int(record.heal_rolled_back),
             **_numbers({"pruning/predicted_speedup": record.predicted_speedup}),
             "layer_scores": table,

@@ -180,8 +180,9 @@ class PruningObjective:
         tracker = self._tracker(trial, values, run_config, out)
         pruned = []
         data = self.data
+        trajectories = data.calibration_trajectories
         campaign = Campaign(data.drafter, data.drafter_dir, data.calibration[:calibration], data.target,
-                            data.calibration_trajectories[:calibration] if data.calibration_trajectories is not None else None,
+                            trajectories[:calibration] if trajectories is not None else None,
                             data.heal_examples if run_config.heal.steps else None, data.cache)
         hooks = RunHooks(log=lambda message: self.log(f"trial {trial.number}: {message}"),
                          on_step=functools.partial(self._on_step, trial, tracker, pruned))

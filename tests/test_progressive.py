@@ -5,26 +5,18 @@ import json
 import pytest
 import torch
 
-from _pairs import prompt_ids, trained_drafter
+from _pairs import tiny_campaign
 from conftest import export_interrupted_at
-from decode.decoders import DecodeConfig
-from models.drafter import save_drafter
 from models.errors import CheckpointError, ConfigError
-from models.objective import Example
 from prune.heal import HealConfig
 from prune.progressive import Campaign, RunConfig, RunHooks, run_pruning
-from prune.scoring import ScoreConfig, record_trajectories
+from prune.scoring import ScoreConfig
 
 
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory):
-    target, drafter = trained_drafter(num_layers=3)
     root = tmp_path_factory.mktemp("campaign")
-    save_drafter(drafter, root / "source")
-    prompts = [prompt_ids(n, seed=n) for n in (3, 7, 12)]
-    decode = DecodeConfig(max_new_tokens=24, packed_budget=27)
-    trajectories = record_trajectories(target, prompts, decode)
-    examples = [Example.from_prompt_response(t[: len(p)], t[len(p):]) for p, t in zip(prompts, trajectories)]
+    target, drafter, prompts, decode, trajectories, examples = tiny_campaign(root)
     return target, drafter, root, prompts, decode, trajectories, examples
 
 
@@ -85,8 +77,9 @@ def test_a_campaign_continues_from_an_exported_step(campaign, tmp_path):
     first = run(campaign, tmp_path / "first", config_of(decode, layers_to_remove=1))
     step = tmp_path / "first" / "step-01"
     kept = json.loads((step / "config.json").read_text())["original_layer_indices"]
-    second = run_pruning(Campaign(load_drafter(step), step, prompts, target, trajectories, examples), tmp_path / "second",
-                         config_of(decode, layers_to_remove=1), hooks=RunHooks(log=lambda *_: None)).to_dict()
+    second = run_pruning(Campaign(load_drafter(step), step, prompts, target, trajectories, examples),
+                         tmp_path / "second", config_of(decode, layers_to_remove=1),
+                         hooks=RunHooks(log=lambda *_: None)).to_dict()
     assert second["history"][0]["removed_original"][0] in kept
     assert first["history"][0]["removed_original"][0] not in kept
     assert (tmp_path / "second" / "layer_scores.png").read_bytes()[:4] == b"\x89PNG"

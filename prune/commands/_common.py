@@ -3,11 +3,13 @@
 import argparse
 import contextlib
 import json
+import os
 import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
 
 from decode.config import CANDIDATE_MODES, WIDTH_MODES, DecodeConfig
+from prune.tracking import TrackingConfig, default_dir, drafter_tag, resolve_mode, tracker_for
 
 from . import _types
 
@@ -20,7 +22,7 @@ def defaults(config_class) -> dict:
     return {f.name: f.default for f in fields(config_class) if f.default is not MISSING}
 
 
-DECODE = defaults(DecodeConfig)
+DECODE, TRACKING = defaults(DecodeConfig), defaults(TrackingConfig)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -80,11 +82,11 @@ def add_decode_args(parser) -> None:
     """Flags of the speculative decoders (bench, score, run, sweep)."""
     parser.add_argument("--packed-budget", type=_types.non_negative_int, default=DECODE["packed_budget"],
                         help="async: query tokens the packed pass spends on candidate blocks")
-    parser.add_argument("--width", choices=WIDTH_MODES, default="adaptive",
+    parser.add_argument("--width", choices=WIDTH_MODES, default=WIDTH_MODES[0],
                         help="tokens verified per round: adaptive chooses 2..block size each round from the "
                         "drafter's confidences and the measured pass times (decode/cost.py); fixed verifies "
                         "the block size every round")
-    parser.add_argument("--candidates", choices=CANDIDATE_MODES, default="adaptive",
+    parser.add_argument("--candidates", choices=CANDIDATE_MODES, default=CANDIDATE_MODES[0],
                         help="async: candidate blocks per packed pass; adaptive drafts as many as the cost model "
                         "says pay for themselves, none where the two passes cannot overlap (the round then runs "
                         "as sync; decode/cost.py CandidatePolicy); all drafts every candidate that fits "
@@ -163,21 +165,17 @@ def add_prompt_args(parser, default_suite: str = "humaneval:eval", max_new_token
 def add_tracking_args(parser) -> None:
     parser.add_argument("--no-wandb", action="store_true",
                         help="do not log to W&B (otherwise offline unless logged in; WANDB_MODE is respected)")
-    parser.add_argument("--wandb-project", default="d3d-prune", type=_types.name,
+    parser.add_argument("--wandb-project", default=TRACKING["project"], type=_types.name,
                         help="W&B project (entity: WANDB_ENTITY)")
 
 
 def make_tracker(args, job_type: str, run_config: dict, drafter_hash: str, out=None, group=None, name=None,
                  extra_tags=()):
     """The W&B tracker of a command (prune.tracking); its mode comes from --no-wandb and the environment."""
-    import os
-
-    from prune.tracking import default_dir, drafter_tag, resolve_mode, tracker_for
-
     return tracker_for(resolve_mode(os.environ, enabled=not args.no_wandb), args.wandb_project, run_config,
                        entity=os.environ.get("WANDB_ENTITY") or None, group=group, job_type=job_type, name=name,
                        tags=(drafter_tag(drafter_hash), *extra_tags), dir=default_dir(out, os.environ),
-                       init_timeout=float(os.environ.get("WANDB_INIT_TIMEOUT") or 90))
+                       init_timeout=float(os.environ.get("WANDB_INIT_TIMEOUT") or TRACKING["init_timeout"]))
 
 
 def model_paths(args) -> tuple[str, str]:

@@ -197,17 +197,15 @@ def load_assistant(path: str, pair):
 
 def read_ar_outputs(path: str, prompts) -> list[list[int]]:
     """The ar output ids per prompt (by id) from a file written by --save-outputs."""
+    from decode.prompts import read_jsonl
     from models.errors import DataError
 
     recorded = {}
     try:
-        with open(path) as handle:
-            for line in handle:
-                if line.strip():
-                    record = json.loads(line)
-                    if record.get("decoder") == "ar":
-                        recorded[str(record["id"])] = [int(t) for t in record["output_ids"]]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        for _, record in read_jsonl(path):
+            if record.get("decoder") == "ar":
+                recorded[str(record["id"])] = [int(t) for t in record["output_ids"]]
+    except (OSError, ValueError, KeyError, TypeError, DataError) as exc:
         raise DataError(f"cannot read ar outputs from {path} ({exc}); pass a file written by --save-outputs") from None
     missing = [p.id for p in prompts if p.id not in recorded]
     if missing:

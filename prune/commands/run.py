@@ -191,8 +191,8 @@ def summary_lines(state: dict, out: str) -> list[str]:
     """The end-of-run summary a person reads (stderr): what was removed, before -> after, where things are.
 
     `state`: the run's state as the JSON document `--json` writes (prune.state.RunState.to_dict()), whose
-    parts it reads as far as they are there. Calibration tau and predicted speedup come from it. Held-out tau and measured speedup are
-    printed when the state holds them: `state["speed"]` = {"base": {...}, "final": {...}}, each with any of
+    parts it reads as far as they are there. Calibration tau and predicted speedup come from it. Held-out
+    tau and measured speedup are printed when the state holds them: `state["speed"]` = {"base": {...}, "final": {...}}, each with any of
     "tau", "predicted_speedup", "measured_speedup" (its predicted speedup, when given, replaces the
     calibration one). Layer indices are 0-based, in the unpruned drafter.
     """
