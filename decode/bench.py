@@ -45,10 +45,10 @@ from .config import BaselineConfig, BenchConfig, DecodeConfig
 from .decoders import DECODERS, DecodeResult, decode_one, decode_speculative
 from .metrics import summarize
 from .prompts import Prompt
-from .registry import BASELINE, SPECULATIVE, check_decoder_names, names
+from .registry import BASELINE, SPECULATIVE, check_decoder_names
 from .verifiers import ReplayVerifier
 
-DRAFTED = names(SPECULATIVE)  # the rows run once per drafter
+DRAFTED = registry.names(SPECULATIVE)  # the rows run once per drafter
 # Summary fields that are per-prompt times: a lockstep batch has only the batch's, recorded ar outputs none.
 UNTIMED = ("tokens_per_s", "time_per_token_ms", "decode_s", "prefill_s", "time_split_ms",
            "packed_hidden_fraction")
@@ -149,7 +149,7 @@ class _Rows:
     def __post_init__(self):
         speculative = [d for d in DRAFTED if d in self.config.decoders]
         self.drafted = [(name, d) for name in self.models for d in speculative]
-        baselines = [(None, d) for d in names(BASELINE) if d in self.config.decoders]
+        baselines = [(None, d) for d in registry.names(BASELINE) if d in self.config.decoders]
         self.rows = [AR, *self.drafted, *baselines]
         self.recorded = self.ar_outputs is not None
         self.batched = self.config.replay_batch > 1

@@ -200,9 +200,9 @@ def _records_with_groups(name: str, cache_dir, fetch: bool) -> list[tuple[dict, 
     file = suite_data_file(name, cache_dir, fetch)
     try:
         if name == "humaneval":
-            return [(_humaneval_record(item), "all") for _, item in read_jsonl(file)]
+            return [(_humaneval_record(item), "all") for item in _read_jsonl(file)]
         if name == "mtbench":
-            return [(_mtbench_record(item), item["category"]) for _, item in read_jsonl(file)]
+            return [(_mtbench_record(item), item["category"]) for item in _read_jsonl(file)]
         return [
             ({"id": pid, "prompt": CHAMP_INSTRUCTION.format(text=p["_text"])}, p["category"])
             for pid, p in _champ_problems(file).items()
@@ -217,6 +217,11 @@ def _humaneval_record(item: dict) -> dict:
 
 def _mtbench_record(item: dict) -> dict:
     return {"id": f"mtbench/{item['question_id']}", "prompt": item["turns"][0], "turns": list(item["turns"])}
+
+
+def _read_jsonl(file: Path) -> list[dict]:
+    """The records of a suite's JSONL data file (decode.prompts.read_jsonl, line numbers dropped)."""
+    return [item for _, item in read_jsonl(file)]
 
 
 def _champ_problems(file: Path) -> dict[str, dict]:

@@ -164,8 +164,6 @@ def load_models_and_prompts(args):
     from models.drafter import load_drafter, validate_checkpoint
     from models.target import check_pair, load_tokenizer, target_config_of
 
-    from models.errors import ConfigError
-
     first, *others = args.drafter or [None]  # None: the demo drafter
     twice = [folder for folder in others if (args.drafter or []).count(folder) > 1]
     if twice:  # before anything loads or is measured
