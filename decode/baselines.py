@@ -15,38 +15,19 @@ the same options just before stands for prefill (plus the call's setup, which bo
 trimmed by our stop rule (it ends at and includes the first stop id, `max_new_tokens` at most), so greedy
 outputs compare exactly with `ar`. Greedy only: there is no sampled counterpart of our verification rule.
 
-Extension point: `BASELINES`, name -> function(target, prompt ids, DecodeConfig, BaselineConfig).
+Extension point: a baseline is an entry of decode.registry (kind BASELINE) naming its function here,
+function(target, prompt ids, DecodeConfig, BaselineConfig) -> DecodeResult.
 """
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from models.errors import ConfigError
 
-from .decoders import DecodeConfig, DecodeResult
-
-ASSISTED = "assisted"  # the baseline that runs only where an assistant model is given
-
-
-@dataclass
-class BaselineConfig:
-    """Options of the baselines.
-
-    Attributes:
-        pld_tokens: pld only; tokens proposed per prompt lookup (transformers' prompt_lookup_num_tokens).
-        assistant: assisted only; where the assistant model came from (a path; reported, never loaded here).
-        assistant_model: assisted only; the loaded assistant, on the target's device and dtype.
-    """
-
-    pld_tokens: int = 10
-    assistant: str | None = None
-    assistant_model: torch.nn.Module | None = field(default=None, repr=False, compare=False)
-
-    def settings(self) -> dict:
-        """The JSON-ready options (the assistant, where one is given, by name, not its weights)."""
-        return {"pld_tokens": self.pld_tokens, **({"assistant": self.assistant} if self.assistant else {})}
+from .config import BaselineConfig, DecodeConfig
+from .decoders import DecodeResult
+from .registry import ASSISTED
 
 
 def decode_generate(target, prompt: list[int], config: DecodeConfig, options: BaselineConfig) -> DecodeResult:
@@ -65,9 +46,6 @@ def decode_assisted(target, prompt: list[int], config: DecodeConfig, options: Ba
         raise ConfigError("the assisted decoder needs a draft model; pass --assistant MODEL (a small causal LM "
                           "folder or .gguf file with the target's tokenizer)")
     return _timed_generate(ASSISTED, target, prompt, config, assistant_model=options.assistant_model)
-
-
-BASELINES = {"pld": decode_pld, "generate": decode_generate, ASSISTED: decode_assisted}
 
 
 def _timed_generate(name: str, target, prompt: list[int], config: DecodeConfig, **options) -> DecodeResult:

@@ -33,87 +33,26 @@ drafter's rows under its own entry, every `exact_match_vs_ar` and `speedup_vs_ar
 """
 
 import platform
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Iterable
 
 import torch
 
 from models.errors import ConfigError
 
-from . import cost
-from .baselines import ASSISTED, BASELINES, BaselineConfig
-from .decoders import DECODERS, DecodeConfig, DecodeResult, decode_ar, decode_one, decode_speculative
+from . import cost, registry
+from .config import BaselineConfig, BenchConfig, DecodeConfig
+from .decoders import DECODERS, DecodeResult, decode_one, decode_speculative
 from .metrics import summarize
 from .prompts import Prompt
+from .registry import BASELINE, SPECULATIVE, check_decoder_names
 from .verifiers import ReplayVerifier
 
-VERIFY_MODES = ("live", "replay")
-SPECULATIVE = tuple(d for d in DECODERS if d != "ar")  # the rows run once per drafter
-DECODER_NAMES = DECODERS + tuple(BASELINES)  # every decoder, in report order
+DRAFTED = registry.names(SPECULATIVE)  # the rows run once per drafter
 # Summary fields that are per-prompt times: a lockstep batch has only the batch's, recorded ar outputs none.
 UNTIMED = ("tokens_per_s", "time_per_token_ms", "decode_s", "prefill_s", "time_split_ms",
            "packed_hidden_fraction")
 AR = (None, "ar")  # the row key of the shared baseline: (drafter name or None, decoder)
-
-
-def _ar(target, prompt: list[int], config: DecodeConfig, options: BaselineConfig) -> DecodeResult:
-    return decode_ar(target, prompt, config)
-
-
-# Decoders that run the target alone: name -> function(target, prompt ids, DecodeConfig, BaselineConfig).
-TARGET_DECODERS = {"ar": _ar, **BASELINES}
-
-
-@dataclass
-class BenchConfig:
-    """What to benchmark.
-
-    Attributes:
-        decoders: any of DECODER_NAMES ("ar" runs regardless, as the baseline); see select_decoders.
-        verify: "live" runs the target; "replay" answers the speculative rows' verification from the `ar`
-            trajectory (greedy only; acceptance metrics are exact, times then exclude the target).
-        warmup_tokens: max_new_tokens of the untimed warm-up run of each row on the first prompt.
-        replay_batch: prompts decoded in lockstep by sync / async under replay (1: one at a time, timed).
-        baselines: options of the transformers baselines (pld's lookup length).
-    """
-
-    decode: DecodeConfig = field(default_factory=DecodeConfig)
-    decoders: tuple[str, ...] = DECODERS
-    verify: str = "live"
-    warmup_tokens: int = 16
-    replay_batch: int = 1
-    baselines: BaselineConfig = field(default_factory=BaselineConfig)
-
-    def validate(self) -> None:
-        check_decoder_names(self.decoders)
-        if self.verify not in VERIFY_MODES:
-            raise ConfigError(f"unknown verify mode {self.verify!r}; choose live or replay")
-        if self.verify == "replay" and self.decode.temperature > 0:
-            raise ConfigError("replay verification is greedy only; use --verify live with --temperature > 0")
-        sampled_baselines = [d for d in self.decoders if d in BASELINES and self.decode.temperature > 0]
-        if sampled_baselines:
-            raise ConfigError(f"{sampled_baselines[0]} is a greedy baseline; drop it from --decoder or use "
-                              "--temperature 0")
-        if self.replay_batch < 1:
-            raise ConfigError("--replay-batch must be at least 1")
-        if self.replay_batch > 1 and self.verify != "replay":
-            raise ConfigError("--replay-batch needs --verify replay (live verification decodes one prompt at a time)")
-        if self.decode.max_new_tokens < 1:
-            raise ConfigError("--max-new-tokens must be at least 1")
-        if self.decode.temperature < 0:
-            raise ConfigError("--temperature must be >= 0")
-        if self.baselines.pld_tokens < 1:
-            raise ConfigError("--pld-tokens must be at least 1")
-        if ASSISTED in self.decoders and self.baselines.assistant_model is None:
-            raise ConfigError("the assisted decoder needs a draft model; pass --assistant MODEL")
-
-
-def check_decoder_names(names: Iterable[str], allow_all: bool = False) -> None:
-    """ConfigError naming the choices unless every name is a decoder (or "all", where allowed)."""
-    known = DECODER_NAMES + (("all",) if allow_all else ())
-    unknown = [name for name in names if name not in known]
-    if unknown:
-        raise ConfigError(f"unknown decoder {unknown[0]!r}; choose from {', '.join(DECODER_NAMES)} or all")
 
 
 def select_decoders(names: Iterable[str], temperature: float = 0.0, verify: str = "live",
@@ -130,16 +69,18 @@ def select_decoders(names: Iterable[str], temperature: float = 0.0, verify: str 
     if "all" in names:
         names |= set(DECODERS)
         if temperature == 0 and verify == "live":
-            names |= {d for d in BASELINES if assistant or d != ASSISTED}
-    return tuple(d for d in DECODER_NAMES if d in names)
+            names |= {name for name, d in registry.DECODERS.items()
+                      if d.kind == BASELINE and (assistant or not d.needs_assistant)}
+    return tuple(d for d in registry.DECODERS if d in names)
 
 
 def run_decoder(decoder: str, drafter, target, prompt: list[int], config: DecodeConfig, verifier=None,
                 options: BaselineConfig | None = None) -> DecodeResult:
     """Decode one prompt with one decoder: the target alone, or `drafter` verified by the live target
     unless a verifier is given."""
-    if decoder in TARGET_DECODERS:
-        return TARGET_DECODERS[decoder](target, prompt, config, options or BaselineConfig())
+    entry = registry.DECODERS[decoder]
+    if entry.kind == BASELINE:
+        return entry(target, prompt, config, options or BaselineConfig())
     return decode_one(decoder, drafter, target, prompt, config, verifier)
 
 
@@ -167,71 +108,112 @@ def run_bench(drafters: list[tuple[str, torch.nn.Module]], target, prompts: list
         `{(drafter name or None, decoder): [DecodeResult per prompt]}`, the `ar` row first.
     """
     config.validate()
-    names = [name for name, _ in drafters]
-    twice = [name for name in names if names.count(name) > 1]
-    if twice:
-        raise ConfigError(f"drafter {twice[0]} is given twice; pass each drafter once")
-    speculative = [d for d in SPECULATIVE if d in config.decoders]
-    if speculative and not drafters:
-        raise ConfigError(f"{speculative[0]} decoding needs a drafter")
+    _check_drafters(drafters, config)
     if ar_outputs is not None:
         check_recorded_outputs(ar_outputs, prompts, config)
-    models = dict(drafters)
-    decode_by_drafter = decode_by_drafter or {}
-    times_by_drafter = times_by_drafter or {}
+    rows = _Rows(config, dict(drafters), decode_by_drafter or {}, times_by_drafter or {}, ar_outputs)
+    rows.warm_up(target, prompts[0])
+    outputs = rows.decode_per_prompt(target, prompts, on_result or _ignore)
+    if rows.batched:
+        rows.decode_in_lockstep(prompts, outputs, on_result or _ignore)
+    return _report(rows.summaries(outputs), drafters, len(prompts), config, target), outputs
 
-    def decode_of(drafter, base: DecodeConfig = config.decode) -> DecodeConfig:
-        own = decode_by_drafter.get(drafter)
+
+def _ignore(*_) -> None:
+    pass
+
+
+def _check_drafters(drafters: list, config: BenchConfig) -> None:
+    """ConfigError for a drafter given twice, or for speculative rows without a drafter."""
+    given = [name for name, _ in drafters]
+    twice = [name for name in given if given.count(name) > 1]
+    if twice:
+        raise ConfigError(f"drafter {twice[0]} is given twice; pass each drafter once")
+    speculative = [d for d in DRAFTED if d in config.decoders]
+    if speculative and not drafters:
+        raise ConfigError(f"{speculative[0]} decoding needs a drafter")
+
+
+@dataclass
+class _Rows:
+    """The rows of one benchmark and how each decodes: `rows` lists (drafter name or None, decoder) in the
+    order they run per prompt (ar, each drafter's speculative rows, the baselines); `drafted` the rows of a
+    drafter; `ar_outputs` recorded ar outputs standing in for the ar row (None: ar decodes)."""
+
+    config: BenchConfig
+    models: dict
+    decode_by_drafter: dict
+    times_by_drafter: dict
+    ar_outputs: list | None
+
+    def __post_init__(self):
+        speculative = [d for d in DRAFTED if d in self.config.decoders]
+        self.drafted = [(name, d) for name in self.models for d in speculative]
+        baselines = [(None, d) for d in registry.names(BASELINE) if d in self.config.decoders]
+        self.rows = [AR, *self.drafted, *baselines]
+        self.recorded = self.ar_outputs is not None
+        self.batched = self.config.replay_batch > 1
+
+    def decode_of(self, drafter, base: DecodeConfig | None = None) -> DecodeConfig:
+        """The DecodeConfig of `drafter`'s rows (its own, else `base`), with `base`'s max_new_tokens."""
+        base = base or self.config.decode
+        own = self.decode_by_drafter.get(drafter)
         return replace(own, max_new_tokens=base.max_new_tokens) if own is not None else base
-    drafted = [(name, d) for name in names for d in speculative]
-    rows = [AR, *drafted, *((None, d) for d in BASELINES if d in config.decoders)]
-    recorded, batched = ar_outputs is not None, config.replay_batch > 1
 
-    warm = replace(config.decode, max_new_tokens=min(config.warmup_tokens, config.decode.max_new_tokens))
-    for row in rows:
-        drafter, decoder = row
-        if not (recorded and row == AR):
-            run_decoder(decoder, models.get(drafter), target, prompts[0].input_ids, decode_of(drafter, warm),
-                        options=config.baselines)
+    def warm_up(self, target, prompt: Prompt) -> None:
+        """One short untimed run of every row on the first prompt."""
+        decode = self.config.decode
+        warm = replace(decode, max_new_tokens=min(self.config.warmup_tokens, decode.max_new_tokens))
+        for drafter, decoder in self.rows:
+            if not (self.recorded and (drafter, decoder) == AR):
+                run_decoder(decoder, self.models.get(drafter), target, prompt.input_ids, self.decode_of(drafter, warm),
+                            options=self.config.baselines)
 
-    outputs: dict[tuple, list[DecodeResult]] = {row: [] for row in rows}
-    for index, prompt in enumerate(prompts):
-        for row in rows:
-            drafter, decoder = row
-            if batched and row in drafted:
-                continue  # decoded in lockstep below
-            if recorded and row == AR:
-                result = DecodeResult("ar", len(prompt.input_ids), list(ar_outputs[index]))
-            else:
-                replay = drafter is not None and config.verify == "replay"
-                verifier = _replay(prompt, outputs[AR][index]) if replay else None
-                result = run_decoder(decoder, models.get(drafter), target, prompt.input_ids, decode_of(drafter),
-                                     verifier, config.baselines)
-            outputs[row].append(result)
-            if on_result is not None:
+    def decode_per_prompt(self, target, prompts: list[Prompt], on_result) -> dict:
+        """Every row on every prompt, interleaved per prompt (lockstep rows are left to decode_in_lockstep)."""
+        outputs: dict[tuple, list[DecodeResult]] = {row: [] for row in self.rows}
+        for index, prompt in enumerate(prompts):
+            for row in self.rows:
+                drafter, decoder = row
+                if self.batched and row in self.drafted:
+                    continue
+                if self.recorded and row == AR:
+                    result = DecodeResult("ar", len(prompt.input_ids), list(self.ar_outputs[index]))
+                else:
+                    replay = drafter is not None and self.config.verify == "replay"
+                    verifier = _replay(prompt, outputs[AR][index]) if replay else None
+                    result = run_decoder(decoder, self.models.get(drafter), target, prompt.input_ids,
+                                         self.decode_of(drafter), verifier, self.config.baselines)
+                outputs[row].append(result)
                 on_result(index, decoder, drafter, result)
-    for drafter, decoder in drafted if batched else ():
-        for start in range(0, len(prompts), config.replay_batch):
-            chunk = range(start, min(start + config.replay_batch, len(prompts)))
-            verifiers = [_replay(prompts[i], outputs[AR][i]) for i in chunk]
-            results = decode_speculative(decoder, models[drafter], verifiers, [prompts[i].input_ids for i in chunk],
-                                         decode_of(drafter))
-            outputs[drafter, decoder] += results
-            for index, result in zip(chunk, results):
-                if on_result is not None:
+        return outputs
+
+    def decode_in_lockstep(self, prompts: list[Prompt], outputs: dict, on_result) -> None:
+        """The drafters' rows under replay, `replay_batch` prompts in lockstep, verified from the ar outputs."""
+        size = self.config.replay_batch
+        for drafter, decoder in self.drafted:
+            for start in range(0, len(prompts), size):
+                chunk = range(start, min(start + size, len(prompts)))
+                verifiers = [_replay(prompts[i], outputs[AR][i]) for i in chunk]
+                results = decode_speculative(decoder, self.models[drafter], verifiers,
+                                             [prompts[i].input_ids for i in chunk], self.decode_of(drafter))
+                outputs[drafter, decoder] += results
+                for index, result in zip(chunk, results):
                     on_result(index, decoder, drafter, result)
 
-    summaries = {}
-    for row in rows:  # ar first: every other row's speedup is against it
-        drafter, decoder = row
-        untimed = (batched and row in drafted) or (recorded and row == AR)
-        timed = drafter is None or config.verify == "live"  # replayed rows' times exclude the target
-        summaries[row] = _summary(outputs[row], outputs[AR], summaries.get(AR), models.get(drafter), config,
-                                  untimed, timed)
-        if drafter in times_by_drafter:
-            summaries[row].update(_predictions(decoder, times_by_drafter[drafter], summaries[row],
-                                               decode_of(drafter).concurrent))
-    return _report(summaries, drafters, len(prompts), config, target), outputs
+    def summaries(self, outputs: dict) -> dict:
+        """Each row's summary, ar first: every other row's speedup is against it."""
+        summaries = {}
+        for row in self.rows:
+            drafter, decoder = row
+            untimed = (self.batched and row in self.drafted) or (self.recorded and row == AR)
+            timed = drafter is None or self.config.verify == "live"  # replayed rows' times exclude the target
+            summaries[row] = _summary(outputs[row], outputs[AR], summaries.get(AR), self.models.get(drafter),
+                                      self.config, untimed, timed)
+            if drafter in self.times_by_drafter:
+                summaries[row].update(_predictions(decoder, self.times_by_drafter[drafter], summaries[row],
+                                                   self.decode_of(drafter).concurrent))
+        return summaries
 
 
 def _summary(results: list[DecodeResult], ar: list[DecodeResult], ar_summary: dict | None, drafter,
@@ -295,7 +277,7 @@ def report_rows(report: dict) -> list[tuple[str | None, str, dict]]:
     order they run per prompt: ar, each drafter's rows, the other baselines."""
     if "decoders" in report:
         drafter = report["settings"].get("drafter")
-        return [(drafter if decoder in SPECULATIVE else None, decoder, summary)
+        return [(drafter if decoder in DRAFTED else None, decoder, summary)
                 for decoder, summary in report["decoders"].items()]
     baselines = report["baselines"]
     drafted = [(entry["drafter"], decoder, summary)

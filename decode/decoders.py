@@ -14,7 +14,7 @@ gives identical tokens, acceptances and hits.
 
 import contextlib
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -22,81 +22,19 @@ import torch
 from models.errors import ConfigError, DataError
 from models.masks import BlockSpec
 
-from .acceptance import StopRule, greedy_outcome, sample_token, sampled_outcome
-from .cost import CandidatePolicy, PassTimes, WidthPolicy
+from . import registry
+from .acceptance import greedy_outcome, sample_token, sampled_outcome
+from .config import DecodeConfig
+from .cost import WidthPolicy
 from .engine import BlockPrediction, DraftEngine, DraftRequest
 from .planner import plan_candidates
-from .verifiers import LiveVerifier, TargetOutput
+from .verifiers import LiveVerifier, TargetOutput, Verifier
 from .worker import draft_worker, thread_split
 
-DECODERS = ("ar", "sync", "async")
+DECODERS = registry.OURS  # the decoders implemented here (decode.registry has them all, baselines included)
 # Called with (row, ids) each time a sequence commits tokens: its prompt's index in the batch (0 for ar) and
 # the ids the round added, after the stop rule, in order. Runs on the decoding thread, inside the timed rounds.
 CommitHook = Callable[[int, list[int]], None]
-
-
-@dataclass
-class DecodeConfig:
-    """Settings shared by every decoder.
-
-    Attributes:
-        max_new_tokens: generated tokens at most (the first token from prefill included).
-        block_size: most tokens verified per round (t plus B-1 drafts); None uses the drafter's block
-            size. Smaller values keep the drafter's trained geometry and use only its first slots.
-        width_policy: chooses each round's verify width (2 .. block_size) from the drafter's confidences
-            and the cost model (decode.cost.WidthPolicy); None verifies block_size tokens every round.
-            Decisions depend on drafter outputs only, so replay and live decoding make the same ones.
-        candidate_policy: async only; how many of the planned candidates each packed pass drafts, 0 for
-            none (the round then verifies and drafts as sync), from their probabilities and the cost model
-            (decode.cost.CandidatePolicy); None drafts every candidate that fits packed_budget.
-        temperature: 0 for greedy; > 0 samples (speculative sampling for sync/async).
-        seed: seeds the sampling generator of every sequence.
-        stop_ids: token ids that end a sequence (kept in the output), e.g. EOS.
-        packed_budget: async only; query tokens the packed pass may spend on candidate blocks.
-        fan_out: async only; most bonus guesses per outcome.
-        concurrent: async only; overlap the verify pass and the packed pass (False: one after the other).
-        draft_threads: async only, CPU: intra-op threads of the concurrent packed pass; the verify pass
-            gets the rest (None: decode.worker.default_draft_threads).
-        lookahead: async only, and only where every verifier knows its answers ahead (replay): verify
-            first, then let the packed pass compute only what the known outcome (a, b) can use - the
-            chain up to d_a and the candidates for that outcome, or on a known miss the fallback draft
-            itself (one pass per round instead of two). Acceptances and hits are those of the full
-            decoder (`round_trace` is unchanged; `packed_tokens` still counts the full pass), at a
-            fraction of the drafter work; live verification ignores it.
-    """
-
-    max_new_tokens: int = 128
-    block_size: int | None = None
-    width_policy: WidthPolicy | None = None
-    candidate_policy: CandidatePolicy | None = None
-    temperature: float = 0.0
-    seed: int = 0
-    stop_ids: tuple[int, ...] = ()
-    packed_budget: int = 64
-    fan_out: int = 3
-    concurrent: bool = True
-    draft_threads: int | None = None
-    lookahead: bool = True
-
-    def verify_block(self, drafter_block: int) -> int:
-        """The most tokens a round verifies with a drafter of block size `drafter_block` (ConfigError if unusable)."""
-        block = self.block_size or drafter_block
-        if not 2 <= block <= drafter_block:
-            raise ConfigError(
-                f"block size {block} must be in 2..{drafter_block} (the drafter's block_size); "
-                "lower --block-size or use a drafter trained with larger blocks"
-            )
-        return block
-
-    def tuned_to(self, times: PassTimes, width: bool = True, candidates: bool = True) -> "DecodeConfig":
-        """These settings with the cost model's policies for pass times `times`: the adaptive verify width
-        (when `width`) and the packed pass's candidate count (when `candidates`); others unchanged."""
-        return replace(self, width_policy=WidthPolicy.from_times(times) if width else self.width_policy,
-                       candidate_policy=CandidatePolicy.from_times(times) if candidates else self.candidate_policy)
-
-    @property
-    def stop_rule(self) -> StopRule:
-        return StopRule(self.max_new_tokens, frozenset(self.stop_ids))
 
 
 @dataclass
@@ -267,11 +205,15 @@ def decode_ar(target: torch.nn.Module, prompt: list[int], config: DecodeConfig,
 
 
 def decode_one(decoder: str, drafter: torch.nn.Module | None, target: torch.nn.Module, prompt: list[int],
-               config: DecodeConfig, verifier=None, on_commit: CommitHook | None = None) -> DecodeResult:
+               config: DecodeConfig, verifier: Verifier | None = None,
+               on_commit: CommitHook | None = None) -> DecodeResult:
     """Decode one prompt with one of DECODERS: `ar` runs the target alone, `sync` and `async` run `drafter`
     verified by `verifier` (default: the live target). `on_commit` streams the committed tokens."""
-    if decoder == "ar":
-        return decode_ar(target, prompt, config, on_commit)
+    entry = registry.DECODERS.get(decoder)
+    if entry is None or entry.kind not in (registry.TARGET, registry.SPECULATIVE):
+        raise ConfigError(f"unknown decoder {decoder!r}; choose from {', '.join(DECODERS)}")
+    if entry.kind == registry.TARGET:
+        return entry(target, prompt, config, on_commit)
     verifier = verifier or LiveVerifier(target, config.temperature)
     return decode_speculative(decoder, drafter, [verifier], [prompt], config, on_commit)[0]
 
@@ -279,7 +221,7 @@ def decode_one(decoder: str, drafter: torch.nn.Module | None, target: torch.nn.M
 def decode_speculative(
     decoder: str,
     drafter: torch.nn.Module,
-    verifiers: list,
+    verifiers: list[Verifier],
     prompts: list[list[int]],
     config: DecodeConfig,
     on_commit: CommitHook | None = None,
@@ -287,8 +229,8 @@ def decode_speculative(
     """Run `sync` or `async` decoding for several prompts in lockstep (one drafter pass per step).
 
     Args:
-        decoder: "sync" or "async".
-        verifiers: one per prompt (LiveVerifier or ReplayVerifier), in the prompts' order.
+        decoder: a speculative decoder of decode.registry ("sync" or "async"); its round function runs each step.
+        verifiers: one per prompt (decode.verifiers.Verifier: live or replayed), in the prompts' order.
         prompts: token ids per prompt.
         on_commit: optional callback(prompt index, ids) after each commit (streaming; see CommitHook).
 
@@ -296,8 +238,9 @@ def decode_speculative(
         One DecodeResult per prompt. Timings are per step of the whole batch; they mean per-prompt
         times only when one prompt is decoded.
     """
-    if decoder not in ("sync", "async"):
+    if decoder not in registry.names(registry.SPECULATIVE):
         raise ValueError(f"unknown speculative decoder {decoder!r}")
+    run_round = registry.DECODERS[decoder].function
     seqs = [_Sequence(prompt, verifier, config, row, on_commit)
             for row, (prompt, verifier) in enumerate(zip(prompts, verifiers))]
     engine = DraftEngine(drafter, rows=len(seqs), fan_out=config.fan_out)
@@ -308,13 +251,9 @@ def decode_speculative(
     _sync_draft(engine, seqs, [not seq.done for seq in seqs], block, config.width_policy)
     prefill_s = time.perf_counter() - start
     lookahead = config.lookahead and all(seq.verifier.answers_ahead for seq in seqs)
-    concurrent = decoder == "async" and config.concurrent and not lookahead
     start = time.perf_counter()
     while any(not seq.done for seq in seqs):
-        if decoder == "sync":
-            _sync_round(engine, seqs, block, config.width_policy)
-        else:
-            _async_round(engine, seqs, block, config, concurrent, lookahead)
+        run_round(engine, seqs, block, config, lookahead)
     decode_s = time.perf_counter() - start
     return [seq.result(decoder, prefill_s, decode_s) for seq in seqs]
 
@@ -335,7 +274,9 @@ def _sync_draft(engine: DraftEngine, seqs: list[_Sequence], which: list[bool], b
     return time.perf_counter() - start
 
 
-def _sync_round(engine: DraftEngine, seqs: list[_Sequence], block: int, policy: WidthPolicy | None) -> None:
+def sync_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config: DecodeConfig, lookahead: bool) -> None:
+    """One sync round of every unfinished sequence: verify its draft, commit, draft again (`lookahead` unused)."""
+    policy = config.width_policy
     round_start = time.perf_counter()
     active = [not seq.done for seq in seqs]
     for r, seq in enumerate(seqs):
@@ -351,8 +292,11 @@ def _sync_round(engine: DraftEngine, seqs: list[_Sequence], block: int, policy: 
             seq.rounds[-1].draft_s, seq.rounds[-1].total_s = draft_s, total
 
 
-def _async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config: DecodeConfig,
-                 concurrent: bool, lookahead: bool) -> None:
+def async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config: DecodeConfig,
+                lookahead: bool) -> None:
+    """One async round of every unfinished sequence (the module docstring): the packed pass runs with the verify
+    pass (concurrently unless `config.concurrent` is off), or after it with `lookahead` (replay)."""
+    concurrent = config.concurrent and not lookahead
     round_start = time.perf_counter()
     active = [not seq.done for seq in seqs]
     widths = [seq.width if active[r] else 0 for r, seq in enumerate(seqs)]

@@ -27,13 +27,12 @@ from models.errors import ConfigError, DataError
 from models.pair import Pair, load_pair, pair_with_target
 from models.precision import resolve_dtype
 
-from .decoders import DECODERS, DecodeConfig, DecodeResult, decode_one
+from .config import WIDTH_MODES, DecodeConfig
+from .decoders import DECODERS, DecodeResult, decode_one
 from .detokenize import TextStream
 from .metrics import summarize
 from .prompts import Prompt, check_context, check_record, tokenize_records
 from .timing import measure_pass_times
-
-WIDTHS = ("adaptive", "fixed")
 
 
 @dataclass
@@ -88,7 +87,7 @@ class Generator:
 
     Attributes:
         pair: the loaded models.Pair (drafter, target, tokenizer, stop ids).
-        config: the decode.decoders.DecodeConfig of every call; `generate` sets its max_new_tokens,
+        config: the decode.config.DecodeConfig of every call; `generate` sets its max_new_tokens,
             temperature and seed. Replace it to change the decoder settings.
     """
 
@@ -97,8 +96,8 @@ class Generator:
                  chat_template: bool = True, cache_dir=None):
         if decoder not in DECODERS:
             raise ConfigError(f"unknown decoder {decoder!r}; choose from {', '.join(DECODERS)}")
-        if width not in WIDTHS:
-            raise ConfigError(f"unknown width {width!r}; choose adaptive or fixed")
+        if width not in WIDTH_MODES:
+            raise ConfigError(f"unknown width {width!r}; choose {' or '.join(WIDTH_MODES)}")
         self.pair = _load_pair(drafter, target, tokenizer, dtype, torch.device(device), cache_dir)
         self.decoder = decoder
         self.chat_template = chat_template

@@ -7,6 +7,7 @@ A prompt file is JSONL; each record holds one of
 and optionally "id". Built-in suites (decode.suites) yield the same records.
 """
 
+import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,19 +25,31 @@ class Prompt:
     input_ids: list[int]
 
 
+def read_jsonl(path: str | Path) -> list[tuple[int, object]]:
+    """(line number, value) of every non-blank line of a JSONL file (gzip-compressed when its name ends in
+    .gz); a line that is not JSON is a DataError naming the file and the line."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    values = []
+    with opener(path, "rt", encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                values.append((number, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{number}: not valid JSON ({exc.msg}); write one JSON object per "
+                                "line") from None
+    return values
+
+
 def read_prompt_file(path: str | Path) -> list[dict]:
     """Read and validate a JSONL prompt file; errors name the line."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"prompt file {path} does not exist; pass a JSONL file with one prompt per line")
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{number}: not valid JSON ({exc.msg}); write one JSON object per line") from None
+    for number, record in read_jsonl(path):
         check_record(record, f"{path}:{number}")
         record.setdefault("id", str(len(records)))
         records.append(record)

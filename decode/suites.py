@@ -25,7 +25,6 @@ trained on `train` prompts (the demo drafter was); the pruner calibrates on `cal
 split depends only on the pinned data, never on a seed.
 """
 
-import gzip
 import hashlib
 import json
 import os
@@ -33,6 +32,8 @@ from pathlib import Path
 
 from models._wheels import WheelFile, pinned_file
 from models.errors import DataError
+
+from .prompts import read_jsonl
 
 SUITES = ("humaneval", "mtbench", "champ")
 PARTS = ("train", "calib", "eval")
@@ -212,7 +213,7 @@ def _records_with_groups(name: str, cache_dir, fetch: bool) -> list[tuple[dict, 
             ({"id": pid, "prompt": CHAMP_INSTRUCTION.format(text=p["_text"])}, p["category"])
             for pid, p in _champ_problems(file).items()
         ]
-    except (KeyError, TypeError, ValueError, OSError) as exc:
+    except (KeyError, TypeError, ValueError, OSError, DataError) as exc:
         raise DataError(f"{file} is not a valid {name} data file ({exc!r}); delete it so it is fetched again") from None
 
 
@@ -225,9 +226,8 @@ def _mtbench_record(item: dict) -> dict:
 
 
 def _read_jsonl(file: Path) -> list[dict]:
-    opener = gzip.open if file.suffix == ".gz" else open
-    with opener(file, "rt", encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    """The records of a suite's JSONL data file (decode.prompts.read_jsonl, line numbers dropped)."""
+    return [item for _, item in read_jsonl(file)]
 
 
 def _champ_problems(file: Path) -> dict[str, dict]:

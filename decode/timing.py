@@ -18,7 +18,7 @@ import time
 import torch
 
 from .cost import LayerCost, PassTimes
-from .decoders import DecodeConfig
+from .config import DecodeConfig
 from .engine import DraftEngine, DraftRequest
 from .verifiers import LiveVerifier
 from .worker import draft_stream, draft_worker, thread_split
@@ -95,7 +95,7 @@ class _TargetProbe:
         self.verifier.commit(self.context)
 
 
-def drafter_pass_ms(drafter, packed_budget: int = 64, repeats: int = 7, context: int = 64) -> tuple[float, float]:
+def drafter_pass_ms(drafter, packed_budget: int, repeats: int = 7, context: int = 64) -> tuple[float, float]:
     """(sync draft pass, full-budget packed pass) of `drafter`, ms."""
     probe = _DrafterProbe(drafter, packed_budget, context)
     times = _interleaved_ms({"draft": lambda: probe.run(probe.draft), "packed": lambda: probe.run(probe.packed)},
@@ -138,7 +138,7 @@ def measure_pass_times(target, drafter, config: DecodeConfig, repeats: int = 7, 
                      drafter_probe.draft_tokens, drafter_probe.packed_tokens)
 
 
-def drafter_layer_costs(drafter, packed_budget: int = 64, repeats: int = 5,
+def drafter_layer_costs(drafter, packed_budget: int, repeats: int = 5,
                         full: tuple[float, float] | None = None) -> tuple[LayerCost, LayerCost]:
     """(sync draft, packed) pass time as affine functions of depth, fitted on `drafter` and on a copy
     without its second half of layers (decode.cost.LayerCost). `full`: `drafter`'s own pass times when

@@ -1,11 +1,14 @@
-"""Verifiers: the target side of a decoder, live or replayed.
+"""Verifiers: the target side of a decoder, live or replayed (docs/design.md, Decoders).
 
-Both keep a position counter: `prefill(prompt)` feeds the prompt, `verify(tokens)` feeds the next
-tokens and returns the target's choice after each of them, and `commit(length)` rolls the state back
-to the first `length` positions (the committed ones). A decoder runs unchanged against either.
+Every verifier follows the `Verifier` protocol: it keeps a position counter; `prefill(prompt)` feeds the
+prompt, `verify(tokens)` feeds the next tokens and returns the target's choice after each of them, and
+`commit(length)` rolls the state back to the first `length` positions (the committed ones). A decoder
+runs unchanged against any of them: `LiveVerifier` runs the target, `ReplayVerifier` answers from its
+recorded greedy trajectory.
 """
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -26,6 +29,32 @@ class TargetOutput:
 
     tokens: list[int]
     probs: torch.Tensor | None = None
+
+
+@runtime_checkable
+class Verifier(Protocol):
+    """The target side of a decoder, for one sequence.
+
+    Attributes:
+        temperature: 0 when the answers are greedy choices; > 0 when they carry sampling distributions.
+        answers_ahead: True when the answer to a verification is known before the target's pass (a replay):
+            the async decoder may then compute only the packed-pass work that the known outcome can use.
+    """
+
+    temperature: float
+    answers_ahead: bool
+
+    def prefill(self, prompt: list[int]) -> TargetOutput:
+        """Start a new sequence with `prompt`; returns the target's output after its last token (one row)."""
+        ...
+
+    def verify(self, tokens: list[int]) -> TargetOutput:
+        """Feed `tokens` after the current position; one output row per token."""
+        ...
+
+    def commit(self, length: int) -> None:
+        """Keep only the first `length` positions (the committed tokens); the next verify feeds from there."""
+        ...
 
 
 class LiveVerifier:

@@ -5,6 +5,8 @@ Extra config keys (all plain JSON, ignored by anything that just loads Qwen3):
     mask_token_id           the id fed at mask slots; never a real token of the target.
     draft_vocab_size        ids >= this are padding rows and are never proposed (default: vocab_size).
     original_layer_indices  0-based indices, in the unpruned drafter, of the layers this one keeps.
+
+The rules these keys obey (and their validation) are models/drafter_config.py.
 """
 
 import copy
@@ -22,11 +24,10 @@ from .checkpoint import (
     read_config_json,
     read_safetensors_shapes,
 )
+from .drafter_config import validate_config
 from .errors import CheckpointError, ConfigError
 from .provenance import FILE as PROVENANCE_FILE
-
-REQUIRED_KEYS = ("block_size", "mask_token_id")
-MAX_BLOCK_SIZE = 64
+from .surgery import remove_layers
 
 
 def create_drafter(
@@ -94,8 +95,6 @@ def drafter_from_checkpoint(
     config.block_size, config.mask_token_id = block_size, mask_id
     config.draft_vocab_size = min(vocab, mask_id)  # padded rows past a mask id inside the vocabulary too
     layers = num_hidden_layers or config.num_hidden_layers
-    from .surgery import remove_layers  # surgery imports this module
-
     config.original_layer_indices = list(range(config.num_hidden_layers))
     drafter = remove_layers(source, range(layers, config.num_hidden_layers)) if layers < config.num_hidden_layers else source
     drafter.config.original_layer_indices = list(range(layers))  # a fresh drafter: its layers are the originals
@@ -122,40 +121,6 @@ def init_embeddings_from(drafter: Qwen3ForCausalLM, source: torch.nn.Module) -> 
         src_head, dst_head = source.get_output_embeddings(), drafter.get_output_embeddings()
         if src_head is not None and dst_head is not None and dst_head.weight is not dst_embed:
             dst_head.weight[:rows].copy_(src_head.weight[:rows])
-
-
-def validate_config(config: Qwen3Config | dict, where: str = "drafter config") -> None:
-    """Raise ConfigError naming the first inconsistency of a drafter config."""
-    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
-    if get("model_type") != "qwen3":
-        raise ConfigError(f"{where}: model_type is {get('model_type')!r}; a drafter must be a qwen3 model")
-    for key in REQUIRED_KEYS:
-        if get(key) is None:
-            raise ConfigError(f"{where}: missing key {key!r}; a drafter config needs {', '.join(REQUIRED_KEYS)}")
-    vocab_size, block_size, mask_id = get("vocab_size"), get("block_size"), get("mask_token_id")
-    if not isinstance(block_size, int) or not 2 <= block_size <= MAX_BLOCK_SIZE:
-        raise ConfigError(f"{where}: block_size {block_size!r} must be an integer in 2..{MAX_BLOCK_SIZE}")
-    if not isinstance(mask_id, int) or not 0 <= mask_id < vocab_size:
-        raise ConfigError(f"{where}: mask_token_id {mask_id!r} must be an id in 0..{vocab_size - 1}")
-    draft_vocab = get("draft_vocab_size") or vocab_size
-    if not 0 < draft_vocab <= vocab_size:
-        raise ConfigError(f"{where}: draft_vocab_size {draft_vocab} must be in 1..vocab_size ({vocab_size})")
-    heads, kv_heads = get("num_attention_heads"), get("num_key_value_heads")
-    if heads and kv_heads and heads % kv_heads:
-        raise ConfigError(f"{where}: num_attention_heads {heads} must be a multiple of num_key_value_heads "
-                          f"{kv_heads} (--heads, --kv-heads)")
-    layers = get("num_hidden_layers")
-    layer_types = get("layer_types")
-    if layer_types is not None and len(layer_types) != layers:
-        raise ConfigError(
-            f"{where}: layer_types has {len(layer_types)} entries but num_hidden_layers is {layers}; "
-            "re-export the drafter with this tool's layer surgery"
-        )
-    kept = get("original_layer_indices")
-    if kept is not None and (len(kept) != layers or list(kept) != sorted(set(kept))):
-        raise ConfigError(
-            f"{where}: original_layer_indices {kept} must list {layers} distinct increasing layer indices"
-        )
 
 
 def expected_weight_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
@@ -250,8 +215,3 @@ def save_drafter(
         if before_commit is not None:
             before_commit(tmp)
     return Path(folder)
-
-
-def draft_vocab_limit(config) -> int:
-    """Ids at or above this are padding rows, never proposed."""
-    return getattr(config, "draft_vocab_size", None) or config.vocab_size

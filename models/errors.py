@@ -27,3 +27,9 @@ class DataError(D3DError):
 
 class CompatibilityError(D3DError):
     """A drafter and a target cannot be paired (tokenizer, vocabulary, block size)."""
+
+
+def one_of(choices) -> str:
+    """The choices of a setting for a message: "a", "a or b", "a, b or c"."""
+    choices = [str(c) for c in choices]
+    return choices[0] if len(choices) == 1 else f"{', '.join(choices[:-1])} or {choices[-1]}"

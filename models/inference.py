@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from .cache import DynamicKV
-from .drafter import draft_vocab_limit
+from .drafter_config import draft_vocab_limit
 from .lean import LeanDecoder
 from .masks import BatchedLayout
 

@@ -9,7 +9,7 @@ import copy
 
 import torch
 
-from .drafter import validate_config
+from .drafter_config import validate_config
 from .errors import ConfigError
 
 PROVENANCE_KEY = "original_layer_indices"

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import TOKENIZER_FILES, read_config_json
-from .drafter import MAX_BLOCK_SIZE, draft_vocab_limit
+from .drafter_config import MAX_BLOCK_SIZE, draft_vocab_limit
 from .errors import CheckpointError, CompatibilityError
 
 

@@ -18,6 +18,7 @@ from models.checkpoint import folder_hashes, stored_dtype
 from models.drafter import save_drafter
 
 from . import __version__
+from .text import number
 
 REPORT_NAME = "prune_report.json"
 
@@ -26,8 +27,8 @@ def model_card(history: list[dict], source: str, dtype: str, folder: str = "path
     """A README for an exported drafter: what it is, its dtype (a torch name), how to load it and generate with
     it (`folder`: its path as exported), the history table."""
     rows = "\n".join(
-        f"| {h['step']} | {h.get('removed_original', '-')} | {h['layers']} | {_fmt(h.get('tau_before_heal'))} | "
-        f"{_fmt(h.get('tau'))} | {_fmt(h.get('retention'))} | {_fmt(h.get('predicted_speedup'))} |"
+        f"| {h['step']} | {h.get('removed_original', '-')} | {h['layers']} | {_cell(h.get('tau_before_heal'))} | "
+        f"{_cell(h.get('tau'))} | {_cell(h.get('retention'))} | {_cell(h.get('predicted_speedup'))} |"
         for h in history
     )
     return f"""# Pruned block-diffusion drafter
@@ -55,8 +56,8 @@ or from a shell: `prune generate --drafter {folder} --target TARGET --prompt "Wr
 """
 
 
-def _fmt(value) -> str:
-    return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+def _cell(value) -> str:
+    return number(value, 3, whole=True)
 
 
 def resolve_export_dtype(name: str | None, source_dir) -> torch.dtype:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from models.checkpoint import atomic_write_text
 
-from .scoring import Evaluation, LayerScore, fingerprint
+from .cache import fingerprint
+from .scoring import Evaluation, LayerScore
 
 PATTERN = "scoring-*.json"
 
@@ -48,6 +49,12 @@ class ScoringJournal:
     def add_layer(self, score: LayerScore) -> None:
         """Record one layer's score."""
         self.layers[score.layer] = score
+        self._save()
+
+    def record(self, base: Evaluation, layers: list[LayerScore]) -> None:
+        """Record a whole round at once (one taken from the score cache)."""
+        self.base = base
+        self.layers = {score.layer: score for score in layers}
         self._save()
 
     def remove(self) -> None:

@@ -9,9 +9,12 @@ from pathlib import Path
 
 from models.checkpoint import atomic_file, atomic_write_text
 
+from .state import RunState, SpeedCheck
+from .text import number
 
-def write_report(out, state: dict) -> list[Path]:
-    """Write report.md and the plots for `state` (a prune.progressive state); returns the files written."""
+
+def write_report(out, state: RunState) -> list[Path]:
+    """Write report.md and the plots for `state`; returns the files written."""
     out = Path(out)
     files = [_heatmap(out, state), _curve(out, state), _heal_losses(out, state)]
     files = [f for f in files if f is not None]
@@ -19,48 +22,42 @@ def write_report(out, state: dict) -> list[Path]:
     return [out / "report.md", *files]
 
 
-def _markdown(state: dict, plots: list[Path]) -> str:
-    base = state["base"]
+def _markdown(state: RunState, plots: list[Path]) -> str:
+    base = state.base
     lines = [
         "# Pruning report",
         "",
-        f"Source drafter: `{state['source']}`. Unpruned calibration tau {base['tau']:.3f}"
-        + (f", predicted speedup {base['predicted_speedup']:.2f}x." if base.get("predicted_speedup") else "."),
-        f"Stopped by: {state['stopped_by']}.",
+        f"Source drafter: `{state.source}`. Unpruned calibration tau {base.tau:.3f}"
+        + (f", predicted speedup {base.predicted_speedup:.2f}x." if base.predicted_speedup else "."),
+        f"Stopped by: {state.stopped_by}.",
         "",
         "Layer indices are 0-based indices in the unpruned drafter.",
         "",
         "| step | removed | layers | tau before heal | tau | retention | heal | predicted speedup |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for h in state["history"]:
-        heal = "rolled back" if h["heal_rolled_back"] else ("kept" if h["heal_loss"] else "off")
-        speedup = "-" if h["predicted_speedup"] is None else f"{h['predicted_speedup']:.2f}x"
-        lines.append(f"| {h['step']} | {h['removed_original']} | {h['layers']} | {h['tau_before_heal']:.3f} | "
-                     f"{h['tau']:.3f} | {h['retention']:.4f} | {heal} | {speedup} |")
-    lines += _speed_lines(state.get("speed"))
+    for h in state.history:
+        heal = "rolled back" if h.heal_rolled_back else ("kept" if h.heal_loss else "off")
+        lines.append(f"| {h.step} | {h.removed_original} | {h.layers} | {h.tau_before_heal:.3f} | "
+                     f"{h.tau:.3f} | {h.retention:.4f} | {heal} | {number(h.predicted_speedup, 2, 'x')} |")
+    lines += _speed_lines(state.speed)
     lines += ["", *[f"![{p.stem}]({p.name})" for p in plots], ""]
     return "\n".join(lines)
 
 
-def _speed_lines(speed: dict | None) -> list[str]:
+def _speed_lines(speed: SpeedCheck | None) -> list[str]:
     """The measured speed check (prune.speed), predicted beside measured."""
-    if not speed:
+    if speed is None:
         return []
-    lines = ["", f"Measured on {speed['prompts']} held-out prompts ({speed['source']}, {speed['max_new_tokens']} "
+    lines = ["", f"Measured on {speed.prompts} held-out prompts ({speed.source}, {speed.max_new_tokens} "
              "tokens, live target, async decoder, interleaved with ar):", "",
              "| drafter | tau | measured speedup | predicted speedup | limit | exact |", "|---|---|---|---|---|---|"]
-    for name in ("base", "final"):
-        if name in speed:
-            row = speed[name]
-            cells = [_num(row.get("tau"), "{:.3f}")] + [_num(row.get(k), "{:.2f}x") for k in
-                                                        ("measured_speedup", "predicted_speedup", "speedup_limit")]
-            lines.append(f"| {'unpruned' if name == 'base' else 'final'} | {' | '.join(cells)} | {row.get('exact')} |")
+    for name, row in (("unpruned", speed.base), ("final", speed.final)):
+        if row is not None:
+            cells = [number(row.tau, 3)] + [number(v, 2, "x") for v in
+                                            (row.measured_speedup, row.predicted_speedup, row.speedup_limit)]
+            lines.append(f"| {name} | {' | '.join(cells)} | {row.exact} |")
     return lines
-
-
-def _num(value, form: str) -> str:
-    return "-" if value is None else form.format(value)
 
 
 def _pyplot():
@@ -72,49 +69,54 @@ def _pyplot():
     return plt
 
 
-def _heatmap(out: Path, state: dict) -> Path | None:
-    if not state["history"]:
+def _heatmap(out: Path, state: RunState) -> Path | None:
+    if not state.history:
         return None
     import numpy as np
 
     plt = _pyplot()
     # Columns are original indices; a campaign that starts from a pruned drafter has gaps and larger ones.
-    width = max(s["original_layer"] for h in state["history"] for s in h["scores"]) + 1
-    grid = np.full((len(state["history"]), width), np.nan)
-    for row, h in enumerate(state["history"]):
-        for s in h["scores"]:
-            grid[row, s["original_layer"]] = s["score"]
+    width = max(s.original_layer for h in state.history for s in h.scores) + 1
+    grid = np.full((len(state.history), width), np.nan)
+    for row, h in enumerate(state.history):
+        for s in h.scores:
+            grid[row, s.original_layer] = s.score
     fig, ax = plt.subplots(figsize=(max(6, width * 0.3), 1.5 + 0.4 * len(grid)))
     image = ax.imshow(grid, aspect="auto", cmap="viridis")
     ax.set_xticks(range(width), [str(i) for i in range(width)], fontsize=7)
     ax.set_xlabel("original layer index (0-based)")
     ax.set_ylabel("step")
-    ax.set_yticks(range(len(grid)), [str(h["step"]) for h in state["history"]])
+    ax.set_yticks(range(len(grid)), [str(h.step) for h in state.history])
     fig.colorbar(image, ax=ax, label="score (drop when removed)")
     fig.tight_layout()
     return _save_png(plt, fig, out / "layer_scores.png")
 
 
-def _curve(out: Path, state: dict) -> Path:
+def _curve(out: Path, state: RunState) -> Path:
+    from matplotlib.ticker import MaxNLocator
+
     plt = _pyplot()
-    removed = [0] + [state["timing"]["layers"] - h["layers"] for h in state["history"]]
-    taus = [state["base"]["tau"]] + [h["tau"] for h in state["history"]]
+    removed = [0] + [state.timing.layers - h.layers for h in state.history]
+    taus = [state.base.tau] + [h.tau for h in state.history]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(removed, taus, "o-", label="tau (calibration)")
+    lines = ax.plot(removed, taus, "o-", label="tau (calibration)")
     ax.set_xlabel("layers removed")
     ax.set_ylabel("tau")
-    speedups = [state["base"].get("predicted_speedup")] + [h["predicted_speedup"] for h in state["history"]]
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers come whole
+    speedups = [state.base.predicted_speedup] + [h.predicted_speedup for h in state.history]
     if all(s is not None for s in speedups):
         twin = ax.twinx()
-        twin.plot(removed, speedups, "s--", color="tab:orange", label="predicted speedup")
+        lines += twin.plot(removed, speedups, "s--", color="tab:orange", label="predicted speedup")
         twin.set_ylabel("predicted speedup (x)")
-    fig.legend(loc="lower left")
+    # One legend for both axes, above the plot, where it covers neither a curve nor an axis label.
+    ax.legend(lines, [line.get_label() for line in lines], loc="lower center", bbox_to_anchor=(0.5, 1.0),
+              ncol=len(lines), frameon=False)
     fig.tight_layout()
     return _save_png(plt, fig, out / "tau_vs_layers_removed.png")
 
 
-def _heal_losses(out: Path, state: dict) -> Path | None:
-    curves = [(h["step"], h["heal_loss"]) for h in state["history"] if h["heal_loss"]]
+def _heal_losses(out: Path, state: RunState) -> Path | None:
+    curves = [(h.step, h.heal_loss) for h in state.history if h.heal_loss]
     if not curves:
         return None
     plt = _pyplot()

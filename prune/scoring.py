@@ -1,68 +1,35 @@
 """Layer importance: how much acceptance length drops when one layer is removed (docs/design.md, Scoring).
 
-Score(layer) = tau(current drafter) - tau(current drafter without that layer), measured by the real
-async decoder on calibration prompts. With `verify="replay"` the target runs once per prompt to record
+A layer's score compares the drafter with and without it, both measured by the real async decoder on
+calibration prompts; the criterion (prune.criteria) says how: by default tau(current drafter) - tau(current
+drafter without that layer). With `verify="replay"` the target runs once per prompt to record
 its greedy trajectory, and every evaluation after that costs drafter passes only (prompts are batched
 into one drafter pass); `verify="live"` runs the target in every evaluation. A paired bootstrap over
 prompts gives a confidence interval per layer, so a too-small calibration set shows as wide intervals.
 
 The `speedup` criterion scores a layer by the drop in predicted async speedup instead (decode.cost: the
 target's pass times measured once, each reduced drafter's own pass times, its tau, verify width and
-fallback rate).
+fallback rate). Settings: prune.config.ScoreConfig; reports are cached by prune.cache.score_key.
 """
 
-import hashlib
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from decode import cost
-from decode.decoders import DecodeConfig, DecodeResult, decode_ar, decode_speculative
+from decode.config import DecodeConfig
+from decode.decoders import DecodeResult, decode_ar, decode_speculative
 from decode.metrics import summarize
 from decode.timing import drafter_pass_ms, measure_pass_times
 from decode.verifiers import LiveVerifier, ReplayVerifier
-from models.checkpoint import atomic_write_text
 from models.errors import ConfigError
 from models.faults import fault_point
 from models.surgery import remove_layers
 
-CRITERIA = ("tau", "speedup")
-
-
-@dataclass
-class ScoreConfig:
-    """How layers are scored.
-
-    Attributes:
-        criterion: "tau" (drop in mean acceptance length) or "speedup" (drop in predicted speedup).
-        verify: "replay" (recorded target trajectories; drafter cost only) or "live".
-        decode: decoder settings (greedy; max_new_tokens, budget, stop ids).
-        batch_size: prompts per batched drafter pass in replay.
-        bootstrap: resamples for the confidence interval; confidence: its level.
-        timing_repeats: timed passes per measurement (the median is kept).
-        seed: seeds the bootstrap.
-    """
-
-    criterion: str = "tau"
-    verify: str = "replay"
-    decode: DecodeConfig = field(default_factory=DecodeConfig)
-    batch_size: int = 16
-    bootstrap: int = 1000
-    confidence: float = 0.95
-    timing_repeats: int = 5
-    seed: int = 0
-
-    def validate(self) -> None:
-        if self.criterion not in CRITERIA:
-            raise ConfigError(f"unknown criterion {self.criterion!r}; choose tau or speedup (--criterion)")
-        if self.verify not in ("replay", "live"):
-            raise ConfigError(f"unknown verify mode {self.verify!r}; choose replay or live (--verify)")
-        if self.decode.temperature != 0:
-            raise ConfigError("layer scoring is greedy; use temperature 0")
-        if self.batch_size < 1 or self.bootstrap < 1 or not 0 < self.confidence < 1:
-            raise ConfigError("batch_size and bootstrap must be >= 1 and confidence in (0, 1)")
+from .cache import cached_json, score_key, trajectory_key
+from .config import ScoreConfig
+from .criteria import CRITERIA, LayerEffect
 
 
 @dataclass
@@ -132,6 +99,13 @@ class ScoreReport:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, document: dict) -> "ScoreReport":
+        """The report of `to_dict` (or of the JSON it was saved as)."""
+        fields = {**document, "base": Evaluation(**document["base"]),
+                  "layers": [LayerScore(**s) for s in document["layers"]]}
+        return cls(**fields)
 
 
 def record_trajectories(target, prompts: list[list[int]], config: DecodeConfig) -> list[list[int]]:
@@ -209,8 +183,8 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
 
     base_draft_ms, base_packed_ms = pass_ms(drafter)
     base_speedup = base.predicted_speedup(times and times.with_drafter(base_draft_ms, base_packed_ms))
-    if config.criterion == "speedup" and base_speedup is None:
-        raise ConfigError("the speedup criterion needs the target's pass times; pass the target")
+    if CRITERIA[config.criterion].needs_speedup and base_speedup is None:
+        raise ConfigError(f"the {config.criterion} criterion needs the target's pass times; pass the target")
     original = list(getattr(drafter.config, "original_layer_indices", None) or range(drafter.config.num_hidden_layers))
     scores = []
     for layer in range(drafter.config.num_hidden_layers):
@@ -243,75 +217,36 @@ def _layer_score(layer: int, original: int, base: Evaluation, evaluation: Evalua
     deltas = [b - r for b, r in zip(base.tau_per_prompt, evaluation.tau_per_prompt)]
     low, high = bootstrap_interval(deltas, config.bootstrap, config.confidence, config.seed + layer)
     speedup = evaluation.predicted_speedup(times and times.with_drafter(*pass_ms))
-    delta = base.tau - evaluation.tau
-    score = delta if config.criterion == "tau" else base_speedup - speedup
-    return LayerScore(layer, original, evaluation.tau, evaluation.fallback_rate, delta, low, high, *pass_ms,
+    score = CRITERIA[config.criterion].score(LayerEffect(base, evaluation, base_speedup, speedup))
+    return LayerScore(layer, original, evaluation.tau, evaluation.fallback_rate, base.tau - evaluation.tau, low, high,
+                      *pass_ms,
                       speedup, score, evaluation.width, evaluation.packed_share, evaluation.packed_tokens)
 
 
-_WEIGHTS_DIGEST = "_d3d_weights_digest"  # where a module keeps the digest of its weights
-
-
-def fingerprint(*parts) -> str:
-    """A stable sha256 over JSON-able parts and modules' weights (for cache keys). A module alone gives the
-    sha256 of its weights' names and bytes (the drafter hash that reports carry)."""
-    if len(parts) == 1 and isinstance(parts[0], torch.nn.Module):
-        return _weights_digest(parts[0])
-    digest = hashlib.sha256()
-    for part in parts:
-        if isinstance(part, torch.nn.Module):
-            digest.update(_weights_digest(part).encode())
-        else:
-            digest.update(json.dumps(part, sort_keys=True, default=str).encode())
-    return digest.hexdigest()
-
-
-def _weights_digest(module: torch.nn.Module) -> str:
-    """sha256 of a module's state (names and bytes), kept on the module while no tensor moves or changes
-    in place: one command keys several caches by the same target and drafter, and hashing a target's
-    weights takes seconds. A change made through `.data` moves neither and is not seen: hash a model
-    after such a change (a merged heal) only as a fresh copy."""
-    state = sorted(module.state_dict().items())
-    key = tuple((tensor.data_ptr(), tensor._version) for _, tensor in state)
-    cached = getattr(module, _WEIGHTS_DIGEST, None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    digest = hashlib.sha256()
-    for name, tensor in state:
-        digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    object.__setattr__(module, _WEIGHTS_DIGEST, (key, digest.hexdigest()))
-    return getattr(module, _WEIGHTS_DIGEST)[1]
-
-
-def placement(model) -> tuple[str, str]:
-    """(dtype, device) of `model`'s weights, as strings: part of the cache key of anything computed with it,
-    since kernels, and with them near-tie argmaxes and pass times, differ across both."""
-    weight = next(model.parameters())
-    return str(weight.dtype), str(weight.device)
-
-
-def trajectory_key(target, prompts: list[list[int]], decode: DecodeConfig) -> str:
-    """The cache key of recorded target trajectories, the same in score, run and sweep: the target's
-    weights, dtype and device (near-tie argmaxes differ across them), the prompts and the stop rule."""
-    return fingerprint("trajectories", target, *placement(target), prompts, decode.max_new_tokens,
-                       sorted(decode.stop_ids))
-
-
 def cached_trajectories(folder: Path | None, target, prompts: list[list[int]], decode: DecodeConfig) -> list:
-    """`record_trajectories`, cached under `folder` by `trajectory_key` (no cache when folder is None)."""
+    """`record_trajectories`, cached under `folder` by prune.cache.trajectory_key (no cache when folder is None)."""
     key = trajectory_key(target, prompts, decode)
     return cached_json(folder and Path(folder) / "trajectories", key,
                        lambda: record_trajectories(target, prompts, decode))
 
 
-def cached_json(folder: Path | None, key: str, compute):
-    """`compute()` once per key: the JSON result is kept in `folder/key.json` (written atomically)."""
-    if folder is None:
-        return compute()
-    file = Path(folder) / f"{key}.json"
-    if file.is_file():
-        return json.loads(file.read_text())
-    result = compute()
-    atomic_write_text(file, json.dumps(result, sort_keys=True))
-    return result
+def cached_scores(folder: Path | None, drafter, prompts: list[list[int]], config: ScoreConfig, timing, target,
+                  trajectories=None, on_layer=None, journal=None, store: bool = True) -> ScoreReport:
+    """`score_layers` with the pass times of a campaign's `timing` (prune.state.Timing), cached under `folder`
+    by prune.cache.score_key (no cache when folder or target is None; `store` False reads the cache but adds
+    nothing to it): `prune score`, `prune run` and sweep trials with the same drafter, prompts, target and
+    settings share the report. A report taken from the cache calls `on_layer` for no layer and is recorded
+    in `journal` whole, as a computed round leaves it."""
+    layers = drafter.config.num_hidden_layers
+
+    def score() -> ScoreReport:
+        return score_layers(drafter, prompts, config, target=target, trajectories=trajectories, on_layer=on_layer,
+                            times=timing.pass_times(layers), layer_costs=timing.layer_costs(), journal=journal)
+
+    if folder is None or target is None:
+        return score()
+    key = score_key(drafter, target, prompts, config, timing.to_dict())
+    report = ScoreReport.from_dict(cached_json(Path(folder) / "scores", key, lambda: score().to_dict(), store))
+    if journal is not None and len(journal.layers) < len(report.layers):
+        journal.record(report.base, report.layers)
+    return report

@@ -3,7 +3,7 @@
 Predicted speedups guide the run; this check is what a user asks of its result. The unpruned drafter,
 the final drafter and ar decode the same held-out prompts, interleaved per prompt after a warm-up, with
 the live target and the async decoder (decode.bench: one ar baseline, several drafters), and the state
-gets `speed`:
+gets `speed` (prune.state.SpeedCheck):
 
     {"prompts": N, "source": "humaneval:eval", "max_new_tokens": T,
      "base":  {"tau", "measured_speedup", "predicted_speedup", "speedup_limit", "exact"},
@@ -14,21 +14,22 @@ with the campaign's pass times, so predicted and measured compare like for like.
 """
 
 
-from decode.bench import BenchConfig, run_bench
+from decode.bench import run_bench
+from decode.config import BenchConfig
 from models.drafter import load_drafter
 
-from .progressive import campaign_times
+from .state import RunState, SpeedCheck, SpeedRow
 
 
-def measure_speed(state: dict, out, drafter, target, prompts, decode, source: str) -> dict:
+def measure_speed(state: RunState, out, drafter, target, prompts, decode, source: str) -> SpeedCheck:
     """Measure the unpruned `drafter` and OUT/final (when a step was taken) on `prompts` (decode.prompts
-    Prompt list) with the async decoder; returns `state["speed"]` (see the module docstring)."""
+    Prompt list) with the async decoder; returns the state's `speed` (see the module docstring)."""
     weight = next(drafter.parameters())
     final = None
-    if state["history"]:
-        final = load_drafter(f"{out}/{state['history'][-1]['folder']}", weight.dtype, weight.device)
+    if state.history:
+        final = load_drafter(f"{out}/{state.last.folder}", weight.dtype, weight.device)
     drafters = [("base", drafter)] + ([("final", final)] if final is not None else [])
-    times = {name: campaign_times(state["timing"], model.config.num_hidden_layers) for name, model in drafters}
+    times = {name: state.timing.pass_times(model.config.num_hidden_layers) for name, model in drafters}
     configs = {name: decode.tuned_to(t, width=decode.width_policy is not None,
                                      candidates=decode.candidate_policy is not None) if t else decode
                for name, t in times.items()}
@@ -37,10 +38,9 @@ def measure_speed(state: dict, out, drafter, target, prompts, decode, source: st
                           times_by_drafter={name: t for name, t in times.items() if t is not None})
     rows = ({"base": report["decoders"]} if final is None else
             {entry["drafter"]: entry["decoders"] for entry in report["drafters"]})
-    speed = {"prompts": len(prompts), "source": source, "max_new_tokens": decode.max_new_tokens}
+    speed = SpeedCheck(len(prompts), source, decode.max_new_tokens)
     for name, decoders in rows.items():
         row = decoders["async"]
-        speed[name] = {"tau": row["tau_macro"], "measured_speedup": row["speedup_vs_ar"],
-                       "predicted_speedup": row.get("predicted_speedup"), "speedup_limit": row.get("speedup_limit"),
-                       "exact": row["exact_match_vs_ar"]}
+        setattr(speed, name, SpeedRow(row["tau_macro"], row["speedup_vs_ar"], row.get("predicted_speedup"),
+                                      row.get("speedup_limit"), row["exact_match_vs_ar"]))
     return speed

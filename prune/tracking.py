@@ -12,9 +12,15 @@ The metric names below are stable: the saved dashboard (prune.dashboard) and the
 Per-step metrics are plotted against `pruning/layers_removed`, heal losses against `heal/update`.
 """
 
+from __future__ import annotations
+
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the run state's module imports torch; tracking reads the state it is given
+    from .state import RunState, StepRecord
 
 PROJECT = "d3d-prune"
 STEP_AXIS = "pruning/layers_removed"
@@ -148,7 +154,7 @@ def _safe(method):
 class Tracker:
     """One W&B run, started on first use (so an output folder is validated before `wandb/` lands in it).
 
-    `on_step` fits `run_pruning(on_step=...)`; `finish(state, out)` logs what the run produced.
+    `on_step` fits `RunHooks(on_step=...)` of prune.progressive; `finish(state, out)` logs what the run produced.
     """
 
     def __init__(self, config: TrackingConfig, run_config: dict):
@@ -195,39 +201,38 @@ class Tracker:
         return self.run
 
     @_safe
-    def on_step(self, record: dict, state: dict) -> None:
+    def on_step(self, record: StepRecord, state: RunState) -> None:
         """After a pruning step: log the unpruned baseline (once) and every step not yet logged."""
         self._log_history(state)
 
-    def _log_history(self, state: dict) -> None:
+    def _log_history(self, state: RunState) -> None:
         run = self._start()
-        if 0 not in self._logged_steps and "base" in state:
-            base = state["base"]
-            run.log({STEP_AXIS: 0, "pruning/step": 0, "pruning/layers": state["timing"]["layers"],
-                     "pruning/tau": base["tau"], "pruning/retention": 1.0,
-                     **_numbers({"pruning/predicted_speedup": base.get("predicted_speedup")})})
+        if 0 not in self._logged_steps:
+            run.log({STEP_AXIS: 0, "pruning/step": 0, "pruning/layers": state.timing.layers,
+                     "pruning/tau": state.base.tau, "pruning/retention": 1.0,
+                     **_numbers({"pruning/predicted_speedup": state.base.predicted_speedup})})
             self._logged_steps.add(0)
-        for record in state["history"]:
-            if record["step"] not in self._logged_steps:
+        for record in state.history:
+            if record.step not in self._logged_steps:
                 self._log_step(run, record, state)
-                self._logged_steps.add(record["step"])
+                self._logged_steps.add(record.step)
 
-    def _log_step(self, run, record: dict, state: dict) -> None:
+    def _log_step(self, run, record: StepRecord, state: RunState) -> None:
         import wandb
 
-        removed = state["timing"]["layers"] - record["layers"]
-        for loss in record["heal_loss"]:
+        for loss in record.heal_loss:
             self._heal_updates += 1
-            run.log({HEAL_AXIS: self._heal_updates, "heal/loss": loss, "heal/step": record["step"]})
-        table = _score_table(record["scores"], record["step"])
+            run.log({HEAL_AXIS: self._heal_updates, "heal/loss": loss, "heal/step": record.step})
+        table = _score_table([asdict(s) for s in record.scores], record.step)
         run.log({
-            STEP_AXIS: removed, "pruning/step": record["step"], "pruning/layers": record["layers"],
-            "pruning/tau": record["tau"], "pruning/tau_before_heal": record["tau_before_heal"],
-            "pruning/retention": record["retention"], "pruning/heal_rolled_back": int(record["heal_rolled_back"]),
-            **_numbers({"pruning/predicted_speedup": record["predicted_speedup"]}),
+            STEP_AXIS: state.timing.layers - record.layers, "pruning/step": record.step,
+            "pruning/layers": record.layers, "pruning/tau": record.tau,
+            "pruning/tau_before_heal": record.tau_before_heal,
+            "pruning/retention": record.retention, "pruning/heal_rolled_back": int(record.heal_rolled_back),
+            **_numbers({"pruning/predicted_speedup": record.predicted_speedup}),
             "layer_scores": table,
             "layer_scores_bar": wandb.plot.bar(table, "original_layer_name", "score",
-                                               title=f"layer scores at step {record['step']} (0-based)"),
+                                               title=f"layer scores at step {record.step} (0-based)"),
         })
 
     @_safe
@@ -243,7 +248,7 @@ class Tracker:
                                      "base/predicted_speedup": report.get("base_predicted_speedup")}))
 
     @_safe
-    def finish(self, state: dict | None = None, out=None, summary: dict | None = None, artifact_aliases=(),
+    def finish(self, state: RunState | None = None, out=None, summary: dict | None = None, artifact_aliases=(),
                exit_code: int = 0) -> None:
         """Log the rest of a pruning run (history, heatmap table, report PNGs, summary, final checkpoint
         as a model artifact), any extra `summary`, and close the run. A run that failed before logging
@@ -258,46 +263,58 @@ class Tracker:
         run.finish(exit_code=exit_code)
         self.run = None
 
-    def _log_final(self, run, state: dict, out: Path | None, aliases) -> None:
+    def _log_final(self, run, state: RunState, out: Path | None, aliases) -> None:
         import wandb
 
         self._log_history(state)
-        if state["history"]:
-            rows = [[h["step"], s["original_layer"], s["score"]] for h in state["history"] for s in h["scores"]]
+        if state.history:
+            rows = [[h.step, s.original_layer, s.score] for h in state.history for s in h.scores]
             run.log({"layer_scores_heatmap": wandb.Table(columns=["step", "original_layer", "score"], data=rows)})
         if out is not None:
             images = {f"plots/{png.stem}": wandb.Image(str(png)) for png in sorted(out.glob("*.png"))}
             if images:
                 run.log(images)
-        last = state["history"][-1] if state["history"] else None
-        base = state["base"]
-        run.summary.update(_numbers({
-            "base/tau": base["tau"], "base/predicted_speedup": base.get("predicted_speedup"),
-            "final/tau": last["tau"] if last else base["tau"],
-            "final/retention": last["retention"] if last else 1.0,
-            "final/predicted_speedup": last["predicted_speedup"] if last else base.get("predicted_speedup"),
-            "final/layers": last["layers"] if last else state["timing"]["layers"],
-            "final/layers_removed": state["timing"]["layers"] - (last["layers"] if last else state["timing"]["layers"]),
-        }))
-        for name in ("base", "final"):
-            measured = (state.get("speed") or {}).get(name) or {}
-            run.summary.update(_numbers({f"{name}/measured_speedup": measured.get("measured_speedup"),
-                                         f"{name}/measured_predicted_speedup": measured.get("predicted_speedup"),
-                                         f"{name}/heldout_tau": measured.get("tau")}))
-        run.summary["final/stopped_by"] = str(state["stopped_by"])
-        if last is not None and out is not None:
-            folder = (out / last["folder"]).resolve()
-            artifact = wandb.Artifact(
-                f"pruned-{self.config.tags[0] if self.config.tags else 'drafter'}", type=ARTIFACT_TYPE,
-                description="pruned drafter: the last step of a prune run (plain Qwen3 checkpoint folder)",
-                metadata={"tau": last["tau"], "retention": last["retention"], "layers": last["layers"],
-                          "predicted_speedup": last["predicted_speedup"], "source": state.get("source"),
-                          "removed_original": [i for h in state["history"] for i in h["removed_original"]],
-                          "stopped_by": str(state["stopped_by"]), "local_path": str(folder)},
-            )
-            # Exports are written once and never modified, so W&B need not copy them to its staging area.
-            artifact.add_dir(str(folder), policy="immutable")
-            run.log_artifact(artifact, aliases=["latest", *aliases])
+        run.summary.update(_numbers(_summary(state)))
+        run.summary["final/stopped_by"] = str(state.stopped_by)
+        if state.last is not None and out is not None:
+            run.log_artifact(self._artifact(state, out), aliases=["latest", *aliases])
+
+    def _artifact(self, state: RunState, out: Path):
+        """The final checkpoint as a W&B model artifact, with its numbers as metadata."""
+        import wandb
+
+        last = state.last
+        folder = (out / last.folder).resolve()
+        artifact = wandb.Artifact(
+            f"pruned-{self.config.tags[0] if self.config.tags else 'drafter'}", type=ARTIFACT_TYPE,
+            description="pruned drafter: the last step of a prune run (plain Qwen3 checkpoint folder)",
+            metadata={"tau": last.tau, "retention": last.retention, "layers": last.layers,
+                      "predicted_speedup": last.predicted_speedup, "source": state.source,
+                      "removed_original": state.removed_original(), "stopped_by": str(state.stopped_by),
+                      "local_path": str(folder)},
+        )
+        # Exports are written once and never modified, so W&B need not copy them to its staging area.
+        artifact.add_dir(str(folder), policy="immutable")
+        return artifact
+
+
+def _summary(state: RunState) -> dict:
+    """The run summary's numbers: the unpruned drafter, the last step taken and the measured speed check."""
+    last, base = state.last, state.base
+    summary = {
+        "base/tau": base.tau, "base/predicted_speedup": base.predicted_speedup,
+        "final/tau": last.tau if last else base.tau,
+        "final/retention": last.retention if last else 1.0,
+        "final/predicted_speedup": last.predicted_speedup if last else base.predicted_speedup,
+        "final/layers": state.layers, "final/layers_removed": state.timing.layers - state.layers,
+    }
+    speed = state.speed
+    for name, row in (("base", speed and speed.base), ("final", speed and speed.final)):
+        if row:
+            summary.update({f"{name}/measured_speedup": row.measured_speedup,
+                            f"{name}/measured_predicted_speedup": row.predicted_speedup,
+                            f"{name}/heldout_tau": row.tau})
+    return summary
 
 
 def _score_table(scores: list[dict], step: int):

@@ -24,78 +24,34 @@ measured by the study's first trial and stored in the study's user attributes
 on another kind of device or in another dtype measure their own): trials compare what they pruned, not
 how busy the machine was while each one measured.
 
-Each trial's user attributes hold where its checkpoint is and what it measured (TRIAL_ATTRS). They are
+Each trial's user attributes hold where its checkpoint is and what it measured (sweeps.study.TRIAL_ATTRS). They are
 set only once the campaign has returned and its last export has been checked whole (`exported_checkpoint`),
 so a worker killed while a trial exports leaves that trial without a checkpoint: RUNNING until the
 heartbeats of another worker mark it FAIL and queue its retry (sweeps/study.py), which runs in a folder of
 its own (trial numbers are unique).
 """
 
+import functools
 import os
 import socket
-from dataclasses import dataclass, field, replace
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import optuna
+
+from decode.cost import PassTimes
+from models.drafter import load_drafter
 from models.errors import CheckpointError, ConfigError
-from prune.heal import HealConfig
-from prune.scoring import ScoreConfig
+from prune.config import RunConfig
+from prune.export import REPORT_NAME, verify_export
+from prune.progressive import Campaign, RunHooks, config_record, run_pruning
+from prune.scoring import Evaluation, evaluate
+from prune.state import RunState, StepRecord, Timing, campaign_timing
 
+from ._optuna import quiet_optuna
+from .config import SweepConfig
 from .space import HEAL_NAMES, SearchSpace
-
-COSTS = ("layers", "packed_ms")
-TRIAL_ATTRS = ("checkpoint", "host", "worker", "trial_dir", "tau", "retention", "eval_tau", "eval_retention",
-               "predicted_speedup", "layers", "layers_removed", "packed_pass_ms", "cost", "stopped_by")
-
-
-@dataclass
-class SweepConfig:
-    """Settings of a sweep.
-
-    Attributes:
-        study: the Optuna study name (also the W&B group of its trials).
-        out: the folder that receives OUT/trial-NNNN of each trial run by this worker.
-        directions: ("maximize",): predicted speedup; ("maximize", "minimize"): retention vs cost.
-        retention_floor: least eval retention of a feasible trial; also the least `min_retention`.
-        cost: the cost objective of the multi-objective mode: "layers" or "packed_ms".
-        seed: seeds the samplers (per trial number, so workers never repeat each other's draws).
-        score, heal: campaign settings that the search space does not set (decoding, verify, batch...).
-        export_dtype: dtype of the trials' exported steps; "source": the dtype the drafter is stored in.
-    """
-
-    study: str
-    out: str
-    directions: tuple[str, ...] = ("maximize",)
-    retention_floor: float = 0.95
-    cost: str = "layers"
-    seed: int = 0
-    score: ScoreConfig = field(default_factory=ScoreConfig)
-    heal: HealConfig = field(default_factory=HealConfig)
-    export_dtype: str = "source"
-
-    @property
-    def multi_objective(self) -> bool:
-        return len(self.directions) == 2
-
-    def objective_names(self) -> list[str]:
-        return ["eval_retention", self.cost] if self.multi_objective else ["predicted_speedup"]
-
-    def validate(self) -> None:
-        directions = tuple(self.directions)
-        if directions not in (("maximize",), ("maximize", "minimize")):
-            raise ConfigError(
-                f"--directions {' '.join(directions)} is not a mode of prune sweep: use `maximize` (predicted "
-                "speedup under a retention floor) or `maximize minimize` (retention vs drafter cost, Pareto front)"
-            )
-        if not 0 < self.retention_floor <= 1:
-            raise ConfigError(f"--retention-floor {self.retention_floor} must be in (0, 1]")
-        if self.cost not in COSTS:
-            raise ConfigError(f"unknown cost {self.cost!r}; choose {' or '.join(COSTS)} (--cost)")
-        if not self.study or any(c in self.study for c in "/\\"):
-            raise ConfigError(f"study name {self.study!r} must be non-empty without slashes (--study)")
-
-    def record(self) -> dict:
-        return {"directions": list(self.directions), "objectives": self.objective_names(),
-                "retention_floor": self.retention_floor, "cost": self.cost}
 
 
 @dataclass
@@ -104,6 +60,9 @@ class SweepData:
 
     `calibration` holds at least as many prompts as the space's largest calibration size; a trial uses
     the first `calibration_prompts` of them. `evaluation` prompts measure every trial's final drafter.
+    `pass_times`: the pair's measured pass times for the sweep's own decoder settings (`SweepConfig.score`),
+    the start of the study's timing as of `prune run`'s; `cache`: the cache folder (prune.cache) that trials
+    share with `prune score` and `prune run`.
     """
 
     drafter: object
@@ -115,12 +74,12 @@ class SweepData:
     evaluation_trajectories: list | None
     heal_examples: list | None = None
     drafter_hash: str = ""
+    pass_times: PassTimes | None = None
+    cache: Path | None = None
 
 
-def campaign_config(values: dict, config: SweepConfig):
+def campaign_config(values: dict, config: SweepConfig) -> tuple[RunConfig, int | None]:
     """The RunConfig of one trial from its drawn values, and its calibration size (None: all prompts)."""
-    from prune.progressive import RunConfig
-
     score = replace(config.score, criterion=values.get("criterion", config.score.criterion),
                     decode=replace(config.score.decode,
                                    packed_budget=values.get("packed_budget", config.score.decode.packed_budget)),
@@ -158,8 +117,6 @@ def check_space(space: SearchSpace, data: SweepData) -> SearchSpace:
 def exported_checkpoint(out: Path, folder: str) -> str:
     """OUT/final as a trial records it, once checked to be the complete export of step `folder`: the link
     points at it and every file hashes as its report lists (prune.export.verify_export)."""
-    from prune.export import REPORT_NAME, verify_export
-
     final = out / "final"
     complete = final.resolve() == (out / folder).resolve() and (final / REPORT_NAME).is_file()
     if not complete or verify_export(final):
@@ -190,21 +147,16 @@ class PruningObjective:
         self._base_eval = None
 
     def study_timing(self, trial, score, wait_s: float = 600.0) -> dict:
-        """The unpruned drafter's pass times for `score`'s packed budget, measured once per study.
+        """The unpruned drafter's pass times for `score`'s packed budget, measured once per study: the
+        prune.state.Timing record as the study keeps it (`Timing.to_dict()`).
 
         The first trial to need them stores them in the study's user attributes; every later trial, in any
         worker, reads them back, so trials differ by what they pruned, not by the machine's load while each
         measured. A trial that finds none waits while an earlier-numbered trial is still running (it is
-        measuring them), at most `wait_s` seconds, so that two workers starting together agree.
+        measuring them), at most `wait_s` seconds, so that two workers starting together agree. They are
+        measured as `prune run` measures them (prune.state.campaign_timing, from the sweep's pass times when
+        the budget is the sweep's own, and through the cache), so trials share scoring rounds with it.
         """
-        import time
-
-        import optuna
-
-        from prune.progressive import measure_timing
-
-        from .study import quiet_optuna
-
         key = study_timing_key(score, self.data.drafter)
         deadline = time.monotonic() + wait_s
         study = trial.study
@@ -218,107 +170,113 @@ class PruningObjective:
             if not any(t.number < trial.number for t in earlier) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-        stored = measure_timing(self.data.drafter, score, self.data.target)
-        study.set_user_attr(key, stored)
-        return stored
+        own_budget = score.decode.packed_budget == self.config.score.decode.packed_budget
+        timing = campaign_timing(self.data.drafter, score, self.data.target,
+                                 self.data.pass_times if own_budget else None, self.data.cache).to_dict()
+        study.set_user_attr(key, timing)
+        return timing
 
-    def base_evaluation(self):
+    def base_evaluation(self) -> Evaluation:
         """The unpruned drafter on the evaluation prompts (measured once per worker)."""
-        from prune.scoring import evaluate
-
         if self._base_eval is None:
             self._base_eval = evaluate(self.data.drafter, self.data.evaluation, self.config.score,
                                        self.data.evaluation_trajectories, self.data.target)
         return self._base_eval
 
     def __call__(self, trial):
-        import optuna
-
-        from prune.progressive import config_record, run_pruning
-
         values = self.space.suggest(trial)
         run_config, calibration = campaign_config(values, self.config)
-        out = Path(self.config.out) / f"trial-{trial.number:04d}"
-        if out.exists() and any(out.iterdir()):
-            raise CheckpointError(f"{out} already holds files (from another study?); use another --out for "
-                                  f"study {self.config.study!r}")
-        prompts = self.data.calibration[:calibration]
-        trajectories = self.data.calibration_trajectories
-        trajectories = trajectories[:calibration] if trajectories is not None else None
-        trial.set_user_attr("trial_dir", str(out.resolve()))
-        trial.set_user_attr("host", socket.gethostname())
-        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
-        tracker = None
-        if self.tracker_factory is not None:
-            tracker = self.tracker_factory(trial, {
-                "trial": {"study": self.config.study, "number": trial.number, "params": dict(trial.params)},
-                "values": values, "settings": config_record(run_config), "sweep": self.config.record(),
-                "drafter": self.data.drafter_dir, "drafter_hash": self.data.drafter_hash, "out": str(out)})
+        out = self._trial_folder(trial)
+        tracker = self._tracker(trial, values, run_config, out)
         pruned = []
-
-        def on_step(record, state):
-            if tracker is not None:
-                tracker.on_step(record, state)
-            if self.config.multi_objective:
-                return None
-            removed = state["timing"]["layers"] - record["layers"]
-            trial.report(record["retention"], removed)
-            if trial.should_prune():
-                pruned.append(removed)
-                return (f"pruned by the Optuna pruner after {removed} layers removed "
-                        f"(calibration retention {record['retention']:.4f})")
-            return None
-
+        data = self.data
+        trajectories = data.calibration_trajectories
+        campaign = Campaign(data.drafter, data.drafter_dir, data.calibration[:calibration], data.target,
+                            trajectories[:calibration] if trajectories is not None else None,
+                            data.heal_examples if run_config.heal.steps else None, data.cache)
+        hooks = RunHooks(log=lambda message: self.log(f"trial {trial.number}: {message}"),
+                         on_step=functools.partial(self._on_step, trial, tracker, pruned))
         try:
-            state = run_pruning(self.data.drafter, self.data.drafter_dir, prompts, out, run_config,
-                                target=self.data.target, trajectories=trajectories,
-                                heal_examples=self.data.heal_examples if run_config.heal.steps else None,
-                                log=lambda message: self.log(f"trial {trial.number}: {message}"), on_step=on_step,
-                                timing=self.study_timing(trial, run_config.score),
-                                export_dtype=self.config.export_dtype)
+            timing = Timing.from_dict(self.study_timing(trial, run_config.score))
+            state = run_pruning(campaign, out, run_config, timing=timing,
+                                export_dtype=self.config.export_dtype, hooks=hooks)
             metrics = self.measure(state, out)
         except BaseException:
             if tracker is not None:
                 tracker.finish(exit_code=1)
             raise
-        for name, value in metrics.items():
-            trial.set_user_attr(name, value)
-        if not self.config.multi_objective:
-            trial.set_constraint("retention_floor", self.config.retention_floor - metrics["eval_retention"])
-        values_out = [metrics[name] for name in self.config.objective_names()]
+        self._record(trial, metrics)
         if tracker is not None:
             summary = {f"sweep/{k}": metrics[k] for k in ("eval_tau", "eval_retention", "cost")}
             summary["sweep/eval_predicted_speedup"] = metrics["predicted_speedup"]
             summary["sweep/state"] = "PRUNED" if pruned else "COMPLETE"
             tracker.finish(state, out, summary=summary, artifact_aliases=[f"trial-{trial.number:04d}"])
         if pruned:
-            raise optuna.TrialPruned(state["stopped_by"])
+            raise optuna.TrialPruned(state.stopped_by)
+        values_out = [metrics[name] for name in self.config.objective_names()]
         return values_out[0] if len(values_out) == 1 else tuple(values_out)
 
-    def measure(self, state: dict, out: Path) -> dict:
-        """What a finished campaign achieved, on its calibration prompts and on the evaluation prompts."""
-        from models.drafter import load_drafter
-        from prune.progressive import packed_ms_at, predicted_speedup_at
-        from prune.scoring import evaluate
+    def _trial_folder(self, trial) -> Path:
+        """OUT/trial-NNNN, refused when it holds files; the trial records where it runs."""
+        out = Path(self.config.out) / f"trial-{trial.number:04d}"
+        if out.exists() and any(out.iterdir()):
+            raise CheckpointError(f"{out} already holds files (from another study?); use another --out for "
+                                  f"study {self.config.study!r}")
+        trial.set_user_attr("trial_dir", str(out.resolve()))
+        trial.set_user_attr("host", socket.gethostname())
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+        return out
 
-        timing, base = state["timing"], self.base_evaluation()
-        last = state["history"][-1] if state["history"] else None
+    def _tracker(self, trial, values: dict, run_config: RunConfig, out: Path):
+        """The trial's W&B tracker (None without a tracker factory)."""
+        if self.tracker_factory is None:
+            return None
+        return self.tracker_factory(trial, {
+            "trial": {"study": self.config.study, "number": trial.number, "params": dict(trial.params)},
+            "values": values, "settings": config_record(run_config), "sweep": self.config.record(),
+            "drafter": self.data.drafter_dir, "drafter_hash": self.data.drafter_hash, "out": str(out)})
+
+    def _on_step(self, trial, tracker, pruned: list, record: StepRecord, state: RunState) -> str | None:
+        """After each step: track it, report the calibration retention at the layers removed so far, and stop
+        the campaign (its reason; the layers removed go to `pruned`) when the Optuna pruner says so."""
+        if tracker is not None:
+            tracker.on_step(record, state)
+        if self.config.multi_objective:
+            return None
+        removed = state.timing.layers - record.layers
+        trial.report(record.retention, removed)
+        if trial.should_prune():
+            pruned.append(removed)
+            return (f"pruned by the Optuna pruner after {removed} layers removed "
+                    f"(calibration retention {record.retention:.4f})")
+        return None
+
+    def _record(self, trial, metrics: dict) -> None:
+        """The trial's user attributes (sweeps.study.TRIAL_ATTRS) and, single-objective, its constraint."""
+        for name, value in metrics.items():
+            trial.set_user_attr(name, value)
+        if not self.config.multi_objective:
+            trial.set_constraint("retention_floor", self.config.retention_floor - metrics["eval_retention"])
+
+    def measure(self, state: RunState, out: Path) -> dict:
+        """What a finished campaign achieved, on its calibration prompts and on the evaluation prompts."""
+        timing, base, last = state.timing, self.base_evaluation(), state.last
         if last is None:
-            final, checkpoint, layers = base, self.data.drafter_dir, timing["layers"]
+            final, checkpoint, layers = base, self.data.drafter_dir, timing.layers
         else:
             compute = next(self.data.drafter.parameters())  # the run's device and dtype, as the campaign's
-            drafter = load_drafter(out / last["folder"], compute.dtype, compute.device)
+            drafter = load_drafter(out / last.folder, compute.dtype, compute.device)
             final = evaluate(drafter, self.data.evaluation, self.config.score, self.data.evaluation_trajectories,
                              self.data.target)
-            checkpoint, layers = exported_checkpoint(out, last["folder"]), last["layers"]
+            checkpoint, layers = exported_checkpoint(out, last.folder), last.layers
             del drafter
-        speedup = predicted_speedup_at(final, layers, timing)
-        packed_ms = packed_ms_at(timing, layers)
+        speedup = final.predicted_speedup(timing.pass_times(layers))
+        packed_ms = timing.packed_ms(layers)
         return {
-            "checkpoint": str(checkpoint), "tau": last["tau"] if last else state["base"]["tau"],
-            "retention": last["retention"] if last else 1.0, "eval_tau": final.tau,
+            "checkpoint": str(checkpoint), "tau": last.tau if last else state.base.tau,
+            "retention": last.retention if last else 1.0, "eval_tau": final.tau,
             "eval_retention": final.tau / base.tau if base.tau else 0.0,
             "predicted_speedup": speedup if speedup is not None else 0.0, "layers": layers,
-            "layers_removed": timing["layers"] - layers, "packed_pass_ms": packed_ms,
-            "cost": layers if self.config.cost == "layers" else packed_ms, "stopped_by": str(state["stopped_by"]),
+            "layers_removed": timing.layers - layers, "packed_pass_ms": packed_ms,
+            "cost": layers if self.config.cost == "layers" else packed_ms, "stopped_by": str(state.stopped_by),
         }

@@ -9,7 +9,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from models.errors import ConfigError
+from models.errors import ConfigError, one_of
+from prune.criteria import CRITERIA
 
 DEFAULT_SPACE = Path(__file__).with_name("default_space.toml")
 
@@ -118,6 +119,8 @@ def _check_value(name: str, value, source: str) -> None:
         ok = True
     if not ok:
         raise ConfigError(f"search space {source}: {name} = {value!r} must be a {kind.__name__}")
+    if name == "criterion" and value not in CRITERIA:
+        raise ConfigError(f"search space {source}: criterion = {value!r} is not a criterion; choose {one_of(CRITERIA)}")
 
 
 def _param(name: str, spec, source: str) -> Param:

@@ -1,12 +1,9 @@
-"""Studies shared by many workers: storage URLs, samplers, the study-wide trial budget, summaries.
+"""Studies shared by many workers: samplers, the study-wide trial budget, heartbeats, summaries.
 
-Storage: any Optuna storage URL. `sqlite:///path.db` (the default, a file under OUT) for workers on one
-machine; `postgresql://...` or `mysql+pymysql://...` for workers on many; `journal:PATH` (or a path
-ending in .log/.journal) for a journal file on a shared file system. RDB storages get heartbeats: a
-worker's running trial records a heartbeat every `heartbeat` seconds; a trial silent for `grace` seconds
-(its worker was killed or lost) is marked FAIL by the next worker that looks, and re-queued once more
-with the same parameters (Optuna's RetryHeartbeatStaleTrialCallback). Journal storages have no
-heartbeats: a killed worker's trial stays RUNNING (see README).
+Storages are URLs (sweeps.storages: SQLite, PostgreSQL/MySQL, journal files). Database storages get
+heartbeats: a running trial records one every `heartbeat` seconds (`_Heartbeat` here), and a trial silent
+for `grace` seconds is marked FAIL by the next worker that looks and re-queued once. Journal storages have
+no heartbeats: a killed worker's trial stays RUNNING (see README).
 
 The budget (`n_trials`) is study-wide: however many workers run, exactly `n_trials` trials end COMPLETE
 or PRUNED. Trial numbers are the storage's atomic counter, so each worker:
@@ -21,85 +18,23 @@ Trials below a given number never become more numerous, so two workers cannot bo
 and a slot is only given up when a trial fails, which the loop then refills.
 """
 
-import contextlib
 import gc
 import threading
 import time
-import warnings
-from pathlib import Path
 
 import optuna
 from optuna.trial import TrialState
 
-from models.errors import ConfigError
+from models.errors import ConfigError, one_of
+
+from ._optuna import quiet_optuna
+from .config import PRUNERS
 
 OVER_BUDGET = "over_budget"
 META_KEY = "d3d_prune"  # study user attribute: the mode and search space the study was created with
-
-
-@contextlib.contextmanager
-def quiet_optuna():
-    """Silence Optuna's experimental-feature warnings for the features used on purpose here."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        # We run trials with our own loop (for the budget) and record heartbeats ourselves (_Heartbeat).
-        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
-        yield
-
-
-def redact(url: str) -> str:
-    """The URL without its password, for messages."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password:
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-        return urlunsplit(parts._replace(netloc=netloc))
-    return url
-
-
-def make_storage(url: str, heartbeat: int | None = 30, grace: int | None = None, max_retry: int = 1,
-                 attempts: int = 5):
-    """An Optuna storage for `url` (see the module docstring); `heartbeat` None or 0 disables heartbeats."""
-    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
-    from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock, JournalStorage
-
-    if url.startswith("journal:") or ("://" not in url and url.endswith((".log", ".journal"))):
-        path = Path(url.removeprefix("journal:")).expanduser()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # The open(O_EXCL) lock works on NFS and other shared file systems.
-        return JournalStorage(JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path))))
-    if "://" not in url:
-        if not url.endswith((".db", ".sqlite", ".sqlite3")):
-            raise ConfigError(f"--storage {url!r} is neither a URL nor a .db / .log file; e.g. sqlite:///study.db, "
-                              "postgresql://user:pass@host/db or journal:study.log")
-        url = f"sqlite:///{Path(url).expanduser().resolve()}"
-    if url.startswith("postgres://"):
-        url = "postgresql://" + url.removeprefix("postgres://")
-    engine_kwargs = {"pool_pre_ping": True}
-    if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        engine_kwargs = {"connect_args": {"timeout": 60}}  # wait for other workers' writes
-    heartbeat = heartbeat or None
-    for attempt in range(attempts):
-        try:
-            with quiet_optuna():
-                return RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat,
-                                  grace_period=(grace or 3 * heartbeat) if heartbeat else None,
-                                  heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
-                                  if heartbeat else None)
-        except ImportError as exc:
-            raise ConfigError(f"the storage {redact(url)} needs a database driver ({exc}); for PostgreSQL pip "
-                              "install 'psycopg[binary]', for MySQL use mysql+pymysql:// and pip install PyMySQL"
-                              ) from None
-        except Exception as exc:  # noqa: BLE001 - sqlalchemy's errors: unreachable server, bad URL, ...
-            # Workers that start together on a fresh database race to create its tables; the losers retry.
-            text = f"{type(exc).__name__} {exc}"[:400]
-            if attempt + 1 < attempts and any(m in text for m in ("IntegrityError", "already exists", "duplicate key")):
-                time.sleep(0.5 * (attempt + 1))
-                continue
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError(f"cannot open the storage {redact(url)}: {first}") from None
+# What every trial records in its user attributes (set by sweeps.objective, read by the summaries).
+TRIAL_ATTRS = ("checkpoint", "host", "worker", "trial_dir", "tau", "retention", "eval_tau", "eval_retention",
+               "predicted_speedup", "layers", "layers_removed", "packed_pass_ms", "cost", "stopped_by")
 
 
 class TrialSeededSampler(optuna.samplers.BaseSampler):
@@ -139,10 +74,10 @@ class TrialSeededSampler(optuna.samplers.BaseSampler):
         self._inner.reseed_rng()
 
 
-def open_study(name: str, storage, directions, meta: dict, seed: int = 0, pruner: str = "median"):
+def open_study(name: str, storage, directions, meta: dict, seed: int = 0, pruner: str = PRUNERS[0]):
     """Create the study or join it; refuse to join one made with other directions or another space."""
-    if pruner not in ("median", "none"):
-        raise ConfigError(f"unknown pruner {pruner!r}; choose median or none (--pruner)")
+    if pruner not in PRUNERS:
+        raise ConfigError(f"unknown pruner {pruner!r}; choose {one_of(PRUNERS)} (--pruner)")
     multi = len(directions) > 1
     chosen = (optuna.pruners.NopPruner() if pruner == "none" or multi
               else optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=0))
@@ -271,8 +206,6 @@ def _tell(study, trial, log, **kwargs) -> None:
 
 def trial_record(trial) -> dict:
     """A trial as JSON: number, state, objective values, parameters and what the objective recorded."""
-    from .objective import TRIAL_ATTRS
-
     return {"number": trial.number, "state": trial.state.name, "values": trial.values, "params": trial.params,
             **{name: trial.user_attrs.get(name) for name in TRIAL_ATTRS},
             "retry_of": trial.system_attrs.get("failed_trial")}

@@ -9,6 +9,7 @@
 """
 
 import functools
+import json
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -105,6 +106,30 @@ def trained_drafter(block_size: int = 8, steps: int = 150, seed: int = 0, target
                          max_length=64, seed=seed, progress=False)
     train(drafter, examples, config)
     return target, drafter.eval()
+
+
+def tiny_campaign(root):
+    """A pruning campaign on a trained 3-layer drafter saved as ROOT/source: (target, drafter, three calibration
+    prompts, the decoder settings (24 tokens, packed budget 27), their replayed trajectories, and those as
+    healing examples)."""
+    from decode.decoders import DecodeConfig
+    from prune.training.loss import Example
+    from prune.scoring import record_trajectories
+
+    target, drafter = trained_drafter(num_layers=3)
+    save_drafter(drafter, root / "source")
+    prompts = [prompt_ids(n, seed=n) for n in (3, 7, 12)]
+    decode = DecodeConfig(max_new_tokens=24, packed_budget=27)
+    trajectories = record_trajectories(target, prompts, decode)
+    examples = [Example.from_prompt_response(t[: len(p)], t[len(p):]) for p, t in zip(prompts, trajectories)]
+    return target, drafter, prompts, decode, trajectories, examples
+
+
+def save_prompt_sets(root):
+    """Write ROOT/calib.jsonl (3 prompts) and ROOT/eval.jsonl (2) of token ids, as a sweep reads them."""
+    for name, count in (("calib", 3), ("eval", 2)):
+        (root / f"{name}.jsonl").write_text("\n".join(
+            json.dumps({"id": f"{name}{i}", "input_ids": list(range(5 + 7 * i, 9 + 8 * i))}) for i in range(count)))
 
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

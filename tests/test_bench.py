@@ -3,7 +3,8 @@
 import pytest
 
 from _pairs import prompt_ids, tiny_target
-from decode.baselines import BASELINES, BaselineConfig
+from decode.config import BaselineConfig
+from decode.registry import BASELINES
 from decode.bench import DECODERS, BenchConfig, run_bench, select_decoders
 from decode.decoders import DecodeConfig, decode_ar
 from decode.prompts import Prompt

@@ -122,10 +122,10 @@ def second_drafter(pair_dirs):
 
 
 def test_bench_several_drafters_share_one_ar_run(pair_dirs, second_drafter, capsys, tmp_path, monkeypatch):
-    import decode.bench
+    import decode.decoders  # where decode.registry finds the ar decoder
 
-    ar_runs, decode_ar = [], decode.bench.decode_ar
-    monkeypatch.setattr(decode.bench, "decode_ar", lambda *args: ar_runs.append(1) or decode_ar(*args))
+    ar_runs, decode_ar = [], decode.decoders.decode_ar
+    monkeypatch.setattr(decode.decoders, "decode_ar", lambda *args: ar_runs.append(1) or decode_ar(*args))
     first, saved = str(pair_dirs / "drafter"), tmp_path / "out.jsonl"
     assert main(bench_args(pair_dirs, "--drafter", second_drafter, "--json", "-", "--save-outputs", str(saved))) == 0
     report = json.loads(capsys.readouterr().out)
@@ -523,7 +523,7 @@ def test_heal_data_defaults_to_the_shipped_demo_data_and_accepts_an_unfinished_f
     import shutil
 
     from models.demo import DEMO_DISTILL_DIR
-    from prune.commands._common import heal_examples
+    from prune.commands._heal import heal_examples
 
     examples, folder = heal_examples(argparse.Namespace(heal_data=None, drafter=None))
     assert folder == str(DEMO_DISTILL_DIR) and len(examples) > 1000

@@ -17,7 +17,7 @@ from prune.training.loss import Example
 from prune.cli import main
 from prune.commands.run import summary_lines
 from prune.heal import HealConfig
-from prune.progressive import RunConfig, run_pruning
+from prune.progressive import Campaign, RunConfig, RunHooks, run_pruning
 from prune.scoring import ScoreConfig, evaluate, record_trajectories
 
 
@@ -103,8 +103,8 @@ def test_a_run_exporting_bf16_resumes_exactly_and_records_the_tau_of_its_files(t
                        heal=HealConfig(steps=3, rank=2, alpha=4, batch_size=2, lr=1e-2))
 
     def run(out, **kwargs):
-        return run_pruning(drafter, tmp_path / "source", prompts, out, config, target=target,
-                           trajectories=trajectories, heal_examples=examples, log=lambda *_: None, **kwargs)
+        return run_pruning(Campaign(drafter, tmp_path / "source", prompts, target, trajectories, examples), out, config,
+                           hooks=RunHooks(log=lambda *_: None), **kwargs).to_dict()
 
     full = run(tmp_path / "full")
     for record in full["history"]:

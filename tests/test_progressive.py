@@ -5,26 +5,18 @@ import json
 import pytest
 import torch
 
-from _pairs import prompt_ids, trained_drafter
+from _pairs import tiny_campaign
 from conftest import export_interrupted_at
-from decode.decoders import DecodeConfig
-from models.drafter import save_drafter
 from models.errors import CheckpointError, ConfigError
-from prune.training.loss import Example
 from prune.heal import HealConfig
-from prune.progressive import RunConfig, run_pruning
-from prune.scoring import ScoreConfig, record_trajectories
+from prune.progressive import Campaign, RunConfig, RunHooks, run_pruning
+from prune.scoring import ScoreConfig
 
 
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory):
-    target, drafter = trained_drafter(num_layers=3)
     root = tmp_path_factory.mktemp("campaign")
-    save_drafter(drafter, root / "source")
-    prompts = [prompt_ids(n, seed=n) for n in (3, 7, 12)]
-    decode = DecodeConfig(max_new_tokens=24, packed_budget=27)
-    trajectories = record_trajectories(target, prompts, decode)
-    examples = [Example.from_prompt_response(t[: len(p)], t[len(p):]) for p, t in zip(prompts, trajectories)]
+    target, drafter, prompts, decode, trajectories, examples = tiny_campaign(root)
     return target, drafter, root, prompts, decode, trajectories, examples
 
 
@@ -38,8 +30,8 @@ def config_of(decode, **overrides) -> RunConfig:
 
 def run(campaign, out, config, **kwargs):
     target, drafter, root, prompts, _, trajectories, examples = campaign
-    return run_pruning(drafter, root / "source", prompts, out, config, target=target, trajectories=trajectories,
-                       heal_examples=examples, log=lambda *_: None, **kwargs)
+    return run_pruning(Campaign(drafter, root / "source", prompts, target, trajectories, examples), out, config,
+                       hooks=RunHooks(log=lambda *_: None), **kwargs).to_dict()
 
 
 def weights(folder):
@@ -85,8 +77,9 @@ def test_a_campaign_continues_from_an_exported_step(campaign, tmp_path):
     first = run(campaign, tmp_path / "first", config_of(decode, layers_to_remove=1))
     step = tmp_path / "first" / "step-01"
     kept = json.loads((step / "config.json").read_text())["original_layer_indices"]
-    second = run_pruning(load_drafter(step), step, prompts, tmp_path / "second", config_of(decode, layers_to_remove=1),
-                         target=target, trajectories=trajectories, heal_examples=examples, log=lambda *_: None)
+    second = run_pruning(Campaign(load_drafter(step), step, prompts, target, trajectories, examples),
+                         tmp_path / "second", config_of(decode, layers_to_remove=1),
+                         hooks=RunHooks(log=lambda *_: None)).to_dict()
     assert second["history"][0]["removed_original"][0] in kept
     assert first["history"][0]["removed_original"][0] not in kept
     assert (tmp_path / "second" / "layer_scores.png").read_bytes()[:4] == b"\x89PNG"

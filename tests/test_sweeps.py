@@ -13,17 +13,16 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from _pairs import prompt_ids, save_tiny_pair, trained_drafter
-from decode.decoders import DecodeConfig
+from _pairs import prompt_ids, save_prompt_sets, save_tiny_pair, tiny_campaign
 from models.drafter import save_drafter
 from models.errors import CheckpointError, ConfigError
-from prune.training.loss import Example
 from prune.cli import main
 from prune.heal import HealConfig
 from prune.scoring import ScoreConfig, record_trajectories
 from sweeps.objective import PruningObjective, SweepConfig, SweepData
 from sweeps.space import DEFAULT_SPACE, SearchSpace
-from sweeps.study import OVER_BUDGET, make_storage, open_study, run_worker, summarize
+from sweeps.storages import make_storage
+from sweeps.study import OVER_BUDGET, open_study, run_worker, summarize
 
 SPACE = """
 [params.layers_to_remove]
@@ -55,15 +54,9 @@ _DATA = {}  # filled by the `sweep_data` fixture before any worker is forked
 
 @pytest.fixture(scope="module")
 def sweep_data(tmp_path_factory):
-    target, drafter = trained_drafter(num_layers=3)
     root = tmp_path_factory.mktemp("sweep")
-    save_drafter(drafter, root / "source")
-    calibration = [prompt_ids(n, seed=n) for n in (3, 7, 12)]
+    target, drafter, calibration, decode, calibration_trajectories, examples = tiny_campaign(root)
     evaluation = [prompt_ids(n, seed=100 + n) for n in (4, 9)]
-    decode = DecodeConfig(max_new_tokens=24, packed_budget=27)
-    calibration_trajectories = record_trajectories(target, calibration, decode)
-    examples = [Example.from_prompt_response(t[: len(p)], t[len(p):])
-                for p, t in zip(calibration, calibration_trajectories)]
     data = SweepData(drafter, str(root / "source"), target, calibration, calibration_trajectories, evaluation,
                      record_trajectories(target, evaluation, decode), examples, "0" * 64)
     _DATA.update(data=data, decode=decode)
@@ -328,9 +321,7 @@ def test_storage_and_study_errors(sweep_data, tmp_path):
 @pytest.fixture(scope="module")
 def pair_dirs(tmp_path_factory):
     root = save_tiny_pair(tmp_path_factory.mktemp("pair"), drafter_layers=2)
-    for name, count in (("calib", 3), ("eval", 2)):
-        (root / f"{name}.jsonl").write_text("\n".join(
-            json.dumps({"id": f"{name}{i}", "input_ids": list(range(5 + 7 * i, 9 + 8 * i))}) for i in range(count)))
+    save_prompt_sets(root)
     (root / "space.toml").write_text("[params.calibration_prompts]\ntype = 'int'\nlow = 2\nhigh = 3\n"
                                      "[params.criterion]\ntype = 'categorical'\nchoices = ['tau', 'speedup']\n"
                                      "[fixed]\nlayers_to_remove = 1\nstop_on_speedup = false\n")

@@ -3,15 +3,26 @@
 import argparse
 import contextlib
 import json
+import os
 import sys
+from dataclasses import MISSING, fields
 from pathlib import Path
+
+from decode.config import CANDIDATE_MODES, WIDTH_MODES, DecodeConfig
+from prune.tracking import TrackingConfig, default_dir, drafter_tag, resolve_mode, tracker_for
 
 from . import _types
 
 DTYPES = ("float32", "bfloat16", "float16")
-# Decoder defaults shared by every command that decodes (the CLI must not import torch to show them).
-PACKED_BUDGET = 64
-WIDTH_MODES = ("adaptive", "fixed")
+
+
+def defaults(config_class) -> dict:
+    """The default of every field of a settings dataclass that has a plain one: the flags show the
+    defaults the library uses (decode.config, prune.config, sweeps.config; none of them imports torch)."""
+    return {f.name: f.default for f in fields(config_class) if f.default is not MISSING}
+
+
+DECODE, TRACKING = defaults(DecodeConfig), defaults(TrackingConfig)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -69,13 +80,13 @@ def add_export_dtype_arg(parser) -> None:
 
 def add_decode_args(parser) -> None:
     """Flags of the speculative decoders (bench, score, run, sweep)."""
-    parser.add_argument("--packed-budget", type=_types.non_negative_int, default=PACKED_BUDGET,
+    parser.add_argument("--packed-budget", type=_types.non_negative_int, default=DECODE["packed_budget"],
                         help="async: query tokens the packed pass spends on candidate blocks")
-    parser.add_argument("--width", choices=WIDTH_MODES, default="adaptive",
+    parser.add_argument("--width", choices=WIDTH_MODES, default=WIDTH_MODES[0],
                         help="tokens verified per round: adaptive chooses 2..block size each round from the "
                         "drafter's confidences and the measured pass times (decode/cost.py); fixed verifies "
                         "the block size every round")
-    parser.add_argument("--candidates", choices=("adaptive", "all"), default="adaptive",
+    parser.add_argument("--candidates", choices=CANDIDATE_MODES, default=CANDIDATE_MODES[0],
                         help="async: candidate blocks per packed pass; adaptive drafts as many as the cost model "
                         "says pay for themselves, none where the two passes cannot overlap (the round then runs "
                         "as sync; decode/cost.py CandidatePolicy); all drafts every candidate that fits "
@@ -95,26 +106,16 @@ def decode_config(args, pair, drafter=None, log=None, target_times=None, **field
     with another drafter; only this drafter's passes are then measured, so drafters compared in one run
     share one measurement of the target. `fields` set other DecodeConfig attributes.
     """
-    import platform
-
-    import torch
-
     from decode.cost import PassTimes
-    from decode.decoders import DecodeConfig
     from decode.timing import measure_pass_times
-    from models._wheels import resolve_cache_dir
-    from prune.scoring import cached_json, fingerprint, placement
+    from prune.cache import cached_json, fingerprint, pass_times_key
 
     config = DecodeConfig(stop_ids=pair.stop_ids, packed_budget=args.packed_budget,
                           draft_threads=args.draft_threads, **fields)
     drafter = drafter or pair.drafter
     config.verify_block(drafter.config.block_size)
-    device = next(drafter.parameters()).device
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    key = fingerprint("pass-times v2", fingerprint(drafter), *placement(drafter), fingerprint(pair.target),
-                      *placement(pair.target), torch.get_num_threads(), config.packed_budget, config.draft_threads,
-                      config.block_size, platform.machine(), platform.processor(), gpu, torch.__version__)
-    cache = None if getattr(args, "no_cache", False) else resolve_cache_dir(getattr(args, "cache_dir", None))
+    key = pass_times_key(drafter, pair.target, config)
+    cache = cache_dir(args)
 
     def measure():
         (log or _stderr)("measuring the pair's pass times for the cost model (once; cached) ...")
@@ -131,6 +132,13 @@ def decode_config(args, pair, drafter=None, log=None, target_times=None, **field
     times = PassTimes(**cached_json(cache and cache / "pass-times", key, measure))
     adaptive_candidates = getattr(args, "candidates", "adaptive") == "adaptive"
     return config.tuned_to(times, width=args.width == "adaptive", candidates=adaptive_candidates), times
+
+
+def cache_dir(args):
+    """The cache folder of --cache-dir (prune.cache), or None with --no-cache."""
+    from models._wheels import resolve_cache_dir
+
+    return None if getattr(args, "no_cache", False) else resolve_cache_dir(getattr(args, "cache_dir", None))
 
 
 def _stderr(message: str) -> None:
@@ -154,51 +162,20 @@ def add_prompt_args(parser, default_suite: str = "humaneval:eval", max_new_token
                         help="feed prompt text as is instead of through the tokenizer's chat template")
 
 
-def add_heal_data_arg(parser) -> None:
-    parser.add_argument("--heal-data", default=None, metavar="DIR", type=_types.data_dir,
-                        help="distillation data folder for healing (prune distill output) (default: the shipped "
-                        "demo data, data/demo-distill, with the demo drafter; none otherwise: no healing)")
-
-
-def heal_examples(args) -> tuple[list | None, str | None]:
-    """The healing examples of --heal-data (or the demo data for the demo drafter) and their folder.
-
-    An unfinished generation is used as far as it goes, with a note: healing needs examples, not all of them.
-    """
-    from models.demo import DEMO_DISTILL_DIR
-    from prune.training.data import MANIFEST, load_examples
-
-    folder = args.heal_data
-    if folder is None and args.drafter is None and (DEMO_DISTILL_DIR / MANIFEST).is_file():
-        folder = str(DEMO_DISTILL_DIR)
-    if folder is None:
-        return None, None
-    examples = load_examples(folder, partial=True)
-    planned = json.loads((Path(folder) / MANIFEST).read_text()).get("num_prompts")
-    if planned and len(examples) < planned:
-        print(f"note: healing on the {len(examples)} finished examples of {folder} ({planned} planned)",
-              file=sys.stderr)
-    return examples, folder
-
-
 def add_tracking_args(parser) -> None:
     parser.add_argument("--no-wandb", action="store_true",
                         help="do not log to W&B (otherwise offline unless logged in; WANDB_MODE is respected)")
-    parser.add_argument("--wandb-project", default="d3d-prune", type=_types.name,
+    parser.add_argument("--wandb-project", default=TRACKING["project"], type=_types.name,
                         help="W&B project (entity: WANDB_ENTITY)")
 
 
 def make_tracker(args, job_type: str, run_config: dict, drafter_hash: str, out=None, group=None, name=None,
                  extra_tags=()):
     """The W&B tracker of a command (prune.tracking); its mode comes from --no-wandb and the environment."""
-    import os
-
-    from prune.tracking import default_dir, drafter_tag, resolve_mode, tracker_for
-
     return tracker_for(resolve_mode(os.environ, enabled=not args.no_wandb), args.wandb_project, run_config,
                        entity=os.environ.get("WANDB_ENTITY") or None, group=group, job_type=job_type, name=name,
                        tags=(drafter_tag(drafter_hash), *extra_tags), dir=default_dir(out, os.environ),
-                       init_timeout=float(os.environ.get("WANDB_INIT_TIMEOUT") or 90))
+                       init_timeout=float(os.environ.get("WANDB_INIT_TIMEOUT") or TRACKING["init_timeout"]))
 
 
 def model_paths(args) -> tuple[str, str]:

@@ -13,8 +13,9 @@ import math
 import re
 from pathlib import Path
 
+from models.drafter_config import MAX_BLOCK_SIZE, REQUIRED_KEYS
+
 CONFIG_NAME = "config.json"
-DRAFTER_KEYS = ("block_size", "mask_token_id")  # what tells a block-diffusion drafter from a target model
 DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:\d+)?")
 _SNIFF_BYTES = 1 << 16  # how much of a text file is read to see that it is readable UTF-8 text
 
@@ -50,9 +51,7 @@ positive_fraction = _bounded(float, "a fraction in (0, 1]", low=0, high=1, low_o
 
 
 def block_size(text: str) -> int:
-    """Tokens of a draft block: 2..models.drafter.MAX_BLOCK_SIZE (read lazily: that module imports torch)."""
-    from models.drafter import MAX_BLOCK_SIZE
-
+    """Tokens of a draft block: 2..models.drafter_config.MAX_BLOCK_SIZE."""
     return _bounded(int, f"an integer in 2..{MAX_BLOCK_SIZE}", low=2, high=MAX_BLOCK_SIZE)(text)
 
 
@@ -148,7 +147,7 @@ def _config_of(path: Path, text: str) -> dict:
 
 
 def _is_drafter(config: dict) -> bool:
-    return all(config.get(key) is not None for key in DRAFTER_KEYS)
+    return all(config.get(key) is not None for key in REQUIRED_KEYS)
 
 
 def drafter_dir(text: str) -> str:
@@ -156,7 +155,7 @@ def drafter_dir(text: str) -> str:
     path = _folder(text)
     if not _is_drafter(_config_of(path, text)):
         _reject(f"{text} is not a block-diffusion drafter (its {CONFIG_NAME} has no "
-                f"{' / '.join(DRAFTER_KEYS)}; a target model?); give a drafter folder, and a target as --target")
+                f"{' / '.join(REQUIRED_KEYS)}; a target model?); give a drafter folder, and a target as --target")
     return text
 
 
@@ -179,7 +178,7 @@ def _model_config(text: str) -> dict:
 def target_path(text: str) -> str:
     """A target model: a folder with config.json that is not a drafter's, or a .gguf file."""
     if _is_drafter(_model_config(text)):
-        _reject(f"{text} is a block-diffusion drafter (its {CONFIG_NAME} has {' and '.join(DRAFTER_KEYS)}); "
+        _reject(f"{text} is a block-diffusion drafter (its {CONFIG_NAME} has {' and '.join(REQUIRED_KEYS)}); "
                 "pass it as --drafter and the target model as --target")
     return text
 

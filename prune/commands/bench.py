@@ -4,14 +4,20 @@ greedy baselines) on a prompt set, for one drafter or several side by side."""
 import argparse
 import json
 
+from decode.config import VERIFY_MODES, BaselineConfig, BenchConfig
+from decode.registry import BASELINE, SPECULATIVE, TARGET, check_decoder_names, describe
+from models.errors import ConfigError
+
 from . import _types
 from ._common import (
+    DECODE,
     add_command,
     add_debug,
     add_decode_args,
     add_model_args,
-    decode_config,
     add_prompt_args,
+    decode_config,
+    defaults,
     drafter_path,
     load_pair_and_prompts,
     model_paths,
@@ -35,6 +41,7 @@ examples:
   prune bench --suite champ:eval --decoder ar --save-outputs ar.jsonl          (the target once, then per drafter:)
   prune bench --drafter D --suite champ:eval --decoder async --verify replay --replay-batch 16 --ar-outputs ar.jsonl
 """
+BENCH, BASELINES = defaults(BenchConfig), defaults(BaselineConfig)
 
 
 def add_parser(subparsers) -> None:
@@ -50,32 +57,31 @@ def add_parser(subparsers) -> None:
     add_model_args(parser, several_drafters=True)
     add_prompt_args(parser)
     parser.add_argument("--decoder", default="all", type=decoder_names, metavar="NAME[,NAME...]",
-                        help="decoders to measure, comma-separated: ar, sync, async, pld (transformers' prompt "
-                        "lookup), generate (transformers' greedy generate()), assisted (transformers' assisted "
-                        "generation with --assistant) or all; ar always runs as the baseline; all leaves out the "
+                        help=f"decoders to measure, comma-separated: {describe(TARGET, SPECULATIVE)}, "
+                        f"{describe(BASELINE)} or all; ar always runs as the baseline; all leaves out the "
                         "transformers rows at --temperature > 0 and with --verify replay, and assisted without "
                         "--assistant")
-    parser.add_argument("--pld-tokens", type=_types.positive_int, default=10, metavar="N",
+    parser.add_argument("--pld-tokens", type=_types.positive_int, default=BASELINES["pld_tokens"], metavar="N",
                         help="pld: tokens proposed per prompt lookup (transformers' prompt_lookup_num_tokens)")
     parser.add_argument("--assistant", default=None, metavar="MODEL", type=_types.model_path,
                         help="assisted: a small causal LM folder or .gguf file with the target's tokenizer, the "
                         "draft model of transformers' assisted generation (default: none, no assisted row)")
     parser.add_argument("--block-size", type=_types.block_size, default=None,
                         help="most tokens verified per round (default: the drafter's block_size)")
-    parser.add_argument("--temperature", type=_types.non_negative_float, default=0.0,
+    parser.add_argument("--temperature", type=_types.non_negative_float, default=DECODE["temperature"],
                         help="0 = greedy; > 0 = speculative sampling")
-    parser.add_argument("--seed", type=_types.non_negative_int, default=0, help="sampling seed")
-    parser.add_argument("--verify", choices=("live", "replay"), default="live",
+    parser.add_argument("--seed", type=_types.non_negative_int, default=DECODE["seed"], help="sampling seed")
+    parser.add_argument("--verify", choices=VERIFY_MODES, default=BENCH["verify"],
                         help="live: run the target; replay: answer sync and async verification from the ar trajectory "
                         "(greedy only)")
-    parser.add_argument("--replay-batch", type=_types.positive_int, default=1, metavar="N",
+    parser.add_argument("--replay-batch", type=_types.positive_int, default=BENCH["replay_batch"], metavar="N",
                         help="with --verify replay: decode N prompts in lockstep (tau and exactness as one at a "
                         "time, in a fraction of the time; per-prompt times are then null)")
     parser.add_argument("--ar-outputs", metavar="FILE.jsonl", default=None, type=_types.text_file,
                         help="with --verify replay: take the target's outputs from the ar lines of a --save-outputs "
                         "file of the same target, prompts and --max-new-tokens instead of decoding them")
     add_decode_args(parser)
-    parser.add_argument("--fan-out", type=_types.non_negative_int, default=3,
+    parser.add_argument("--fan-out", type=_types.non_negative_int, default=DECODE["fan_out"],
                         help="async: most bonus guesses per outcome")
     parser.add_argument("--sequential", action="store_true",
                         help="async: run the verify and packed passes one after the other (debugging)")
@@ -89,10 +95,7 @@ def add_parser(subparsers) -> None:
 
 
 def decoder_names(text: str) -> tuple[str, ...]:
-    """--decoder's comma-separated names, checked against the decoder registries (a usage error otherwise)."""
-    from decode.bench import check_decoder_names
-    from models.errors import ConfigError
-
+    """--decoder's comma-separated names, checked against the decoder registry (a usage error otherwise)."""
     names = tuple(name.strip() for name in text.split(","))
     try:
         check_decoder_names(names, allow_all=True)
@@ -102,8 +105,7 @@ def decoder_names(text: str) -> tuple[str, ...]:
 
 
 def run(args) -> int:
-    from decode.baselines import BaselineConfig
-    from decode.bench import SPECULATIVE, BenchConfig, run_bench, select_decoders
+    from decode.bench import DRAFTED, run_bench, select_decoders
 
     check_block_size(args)
     pair, prompts, drafters, target_path, source = load_models_and_prompts(args)
@@ -125,7 +127,7 @@ def run(args) -> int:
     from prune.progress import progress_bar
 
     ar_outputs = read_ar_outputs(args.ar_outputs, prompts) if args.ar_outputs else None
-    speculative = sum(d in SPECULATIVE for d in decoders)  # rows run once per drafter
+    speculative = sum(d in DRAFTED for d in decoders)  # rows run once per drafter
     rows = len(decoders) - speculative + len(drafters) * speculative + ("ar" not in decoders)  # ar always runs
     with progress_bar("bench", len(prompts) * rows, enabled=show_progress(args.json)) as advance:
         report, outputs = run_bench(drafters, pair.target, prompts, config, on_result=lambda *_: advance(),
@@ -144,7 +146,7 @@ def run(args) -> int:
 
 def check_block_size(args) -> None:
     """--block-size against every drafter's block_size, from their config.json, before any model loads."""
-    from decode.decoders import DecodeConfig
+    from decode.config import DecodeConfig
     from models.checkpoint import read_config_json
 
     if args.block_size is not None:
@@ -161,8 +163,6 @@ def load_models_and_prompts(args):
     from decode.prompts import check_context
     from models.drafter import load_drafter, validate_checkpoint
     from models.target import check_pair, load_tokenizer, target_config_of
-
-    from models.errors import ConfigError
 
     first, *others = args.drafter or [None]  # None: the demo drafter
     twice = [folder for folder in others if (args.drafter or []).count(folder) > 1]
@@ -195,17 +195,15 @@ def load_assistant(path: str, pair):
 
 def read_ar_outputs(path: str, prompts) -> list[list[int]]:
     """The ar output ids per prompt (by id) from a file written by --save-outputs."""
+    from decode.prompts import read_jsonl
     from models.errors import DataError
 
     recorded = {}
     try:
-        with open(path) as handle:
-            for line in handle:
-                if line.strip():
-                    record = json.loads(line)
-                    if record.get("decoder") == "ar":
-                        recorded[str(record["id"])] = [int(t) for t in record["output_ids"]]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        for _, record in read_jsonl(path):
+            if record.get("decoder") == "ar":
+                recorded[str(record["id"])] = [int(t) for t in record["output_ids"]]
+    except (OSError, ValueError, KeyError, TypeError, DataError) as exc:
         raise DataError(f"cannot read ar outputs from {path} ({exc}); pass a file written by --save-outputs") from None
     missing = [p.id for p in prompts if p.id not in recorded]
     if missing:
@@ -231,6 +229,7 @@ def print_table(report: dict) -> None:
     from rich.table import Table
 
     from decode.bench import report_rows
+    from prune.text import number
 
     rows = report_rows(report)
     folder, names = _short_names([drafter for drafter, _, _ in rows if drafter is not None])
@@ -243,9 +242,9 @@ def print_table(report: dict) -> None:
     for drafter, name, d in rows:
         table.add_row(
             names.get(drafter, "-"), name,
-            _fmt(d.get("tau_macro")), _fmt(d.get("tau_micro")), _fmt(d.get("verify_width_mean"), 1),
-            _fmt(d.get("time_per_token_ms")), _fmt(d.get("speedup_vs_ar")), _fmt(d.get("predicted_speedup")),
-            _fmt(d.get("speedup_limit")), _fmt(d.get("exact_match_vs_ar")), _fmt(d.get("hit_rate")),
+            number(d.get("tau_macro")), number(d.get("tau_micro")), number(d.get("verify_width_mean"), 1),
+            number(d.get("time_per_token_ms")), number(d.get("speedup_vs_ar")), number(d.get("predicted_speedup")),
+            number(d.get("speedup_limit")), number(d.get("exact_match_vs_ar")), number(d.get("hit_rate")),
         )
     stdout_console().print(table)
 
@@ -262,10 +261,3 @@ def _short_names(drafters: list[str]) -> tuple[str | None, dict[str, str]]:
         return None, {d: d for d in drafters}
     return folder, {d: os.path.relpath(os.path.abspath(d), folder) for d in drafters}
 
-
-def _fmt(value, digits: int = 2) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "NO"
-    return f"{value:.{digits}f}"

@@ -9,8 +9,11 @@ end gives tokens, tokens/s (timed as `prune bench` times them), tau and the asyn
 import json
 import sys
 
+from decode.registry import OURS, SPECULATIVE, TARGET, describe
+
 from . import _types
 from ._common import (
+    DECODE,
     add_command,
     add_debug,
     add_decode_args,
@@ -21,8 +24,6 @@ from ._common import (
     resolve_device,
     torch_dtype,
 )
-
-DECODER_CHOICES = ("async", "sync", "ar")  # decode.decoders.DECODERS (not imported: help must not load torch)
 
 EXAMPLES = """
 examples:
@@ -49,14 +50,12 @@ def add_parser(subparsers) -> None:
                         help="JSONL prompts: records with prompt, messages or input_ids (optional id); writes one "
                         "JSON record per prompt (default: none; give --prompt or --prompts)")
     add_model_args(parser)
-    parser.add_argument("--decoder", choices=DECODER_CHOICES, default="async",
-                        help="async: D3D, drafting overlaps verification; sync: draft, verify, repeat; ar: the "
-                        "target alone")
-    parser.add_argument("--max-new-tokens", type=_types.positive_int, default=128,
+    parser.add_argument("--decoder", choices=OURS, default="async", help=describe(TARGET, SPECULATIVE))
+    parser.add_argument("--max-new-tokens", type=_types.positive_int, default=DECODE["max_new_tokens"],
                         help="tokens generated per prompt at most")
-    parser.add_argument("--temperature", type=_types.non_negative_float, default=0.0,
+    parser.add_argument("--temperature", type=_types.non_negative_float, default=DECODE["temperature"],
                         help="0 = greedy; > 0 = speculative sampling")
-    parser.add_argument("--seed", type=_types.non_negative_int, default=0,
+    parser.add_argument("--seed", type=_types.non_negative_int, default=DECODE["seed"],
                         help="sampling seed (a seed reproduces a reply)")
     parser.add_argument("--no-chat-template", action="store_true",
                         help="feed prompt text as is instead of through the tokenizer's chat template")
@@ -124,8 +123,7 @@ def load_generator(args):
 
 def stats_line(decoder: str, stats: dict, prompts: int) -> str:
     """One line: prompts (when several), tokens, tokens/s, tau, hit rate ('-' where it does not apply)."""
-    def number(value, digits: int) -> str:
-        return "-" if value is None else f"{value:.{digits}f}"
+    from prune.text import number
 
     head = f"{prompts} prompts, " if prompts > 1 else ""
     return (f"{decoder}: {head}{stats['tokens']} tokens, {number(stats['tokens_per_s'], 1)} tokens/s, "

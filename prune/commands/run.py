@@ -4,25 +4,30 @@ import argparse
 import functools
 import sys
 
+from decode.config import VERIFY_MODES
+from prune.config import HealConfig, RunConfig, ScoreConfig
+from prune.criteria import CRITERIA, describe
+
 from . import _types
 from ._common import (
     add_command,
     add_debug,
     add_decode_args,
     add_export_dtype_arg,
-    add_heal_data_arg,
     add_model_args,
     add_prompt_args,
     add_tracking_args,
+    cache_dir,
     decode_config,
+    defaults,
     drafter_layers,
-    heal_examples,
     load_pair_and_prompts,
     make_tracker,
     prompt_records,
     show_progress,
     write_json,
 )
+from ._heal import add_heal_data_arg, heal_examples
 
 EXAMPLES = """
 examples:
@@ -30,6 +35,7 @@ examples:
   prune run --drafter D --target T --prompts calib.jsonl --out pruned --min-retention 0.98 --heal-steps 0
   prune run --out pruned --resume                                             (continue an interrupted run)
 """
+RUN, SCORE, HEAL = defaults(RunConfig), defaults(ScoreConfig), defaults(HealConfig)
 
 
 def add_parser(subparsers) -> None:
@@ -52,21 +58,24 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--layers-to-remove", type=_types.positive_int, default=None,
                         help="stop after removing this many layers (default: no budget; the other stop "
                         "rules end the run)")
-    parser.add_argument("--min-retention", type=_types.positive_fraction, default=0.99,
+    parser.add_argument("--min-retention", type=_types.positive_fraction, default=RUN["min_retention"],
                         help="never take a step below this fraction of the unpruned calibration tau")
-    parser.add_argument("--per-step", type=_types.positive_int, default=1, help="layers removed per step")
+    parser.add_argument("--per-step", type=_types.positive_int, default=RUN["per_step"], help="layers removed per step")
     parser.add_argument("--no-speedup-stop", action="store_true",
                         help="do not stop when predicted speedup stops improving")
-    parser.add_argument("--criterion", choices=("tau", "speedup"), default="tau", help="layer scoring criterion")
-    parser.add_argument("--verify", choices=("replay", "live"), default="replay", help="verification in scoring")
+    parser.add_argument("--criterion", choices=tuple(CRITERIA), default=SCORE["criterion"],
+                        help=f"layer scoring criterion ({describe()})")
+    parser.add_argument("--verify", choices=VERIFY_MODES, default=SCORE["verify"], help="verification in scoring")
     add_decode_args(parser)
     add_heal_data_arg(parser)
-    parser.add_argument("--heal-steps", type=_types.non_negative_int, default=40,
+    parser.add_argument("--heal-steps", type=_types.non_negative_int, default=HEAL["steps"],
                         help="LoRA updates per heal (0: no healing)")
-    parser.add_argument("--lora-rank", type=_types.positive_int, default=8, help="LoRA rank")
-    parser.add_argument("--lora-alpha", type=_types.positive_int, default=16, help="LoRA alpha (scale = alpha / rank)")
-    parser.add_argument("--heal-lr", type=_types.positive_float, default=5e-4, help="LoRA learning rate")
-    parser.add_argument("--seed", type=_types.non_negative_int, default=0, help="seeds healing and the bootstrap")
+    parser.add_argument("--lora-rank", type=_types.positive_int, default=HEAL["rank"], help="LoRA rank")
+    parser.add_argument("--lora-alpha", type=_types.positive_int, default=HEAL["alpha"],
+                        help="LoRA alpha (scale = alpha / rank)")
+    parser.add_argument("--heal-lr", type=_types.positive_float, default=HEAL["lr"], help="LoRA learning rate")
+    parser.add_argument("--seed", type=_types.non_negative_int, default=SCORE["seed"],
+                        help="seeds healing and the bootstrap")
     add_export_dtype_arg(parser)
     parser.add_argument("--speed-suite", default="humaneval:eval", metavar="NAME[:train|:calib|:eval] | FILE.jsonl",
                         type=_types.suite_or_prompt_file,
@@ -91,56 +100,60 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
-    from models._wheels import resolve_cache_dir
-    from prune.heal import HealConfig
     from prune.progress import progress_bar
-    from prune.progressive import RunConfig, config_record, has_run, measure_timing, run_pruning
-    from prune.scoring import ScoreConfig, cached_trajectories, fingerprint
+    from prune.progressive import Campaign, RunHooks, config_record, run_pruning
+    from prune.cache import fingerprint
+    from prune.scoring import cached_trajectories
+    from prune.state import campaign_timing, has_run
 
     check_layer_budget(args)
     pair, tokenized, drafter_dir, target_path, source = load_pair_and_prompts(args)
     prompts = [p.input_ids for p in tokenized]
     decode, times = decode_config(args, pair, max_new_tokens=args.max_new_tokens)
     examples, heal_data = heal_examples(args)
-    config = RunConfig(
-        layers_to_remove=args.layers_to_remove, min_retention=args.min_retention, per_step=args.per_step,
-        stop_on_speedup=not args.no_speedup_stop,
-        score=ScoreConfig(criterion=args.criterion, verify=args.verify, decode=decode, seed=args.seed),
-        heal=HealConfig(steps=args.heal_steps if examples else 0, rank=args.lora_rank, alpha=args.lora_alpha,
-                        lr=args.heal_lr, seed=args.seed),
-    )
+    config = run_config(args, decode, healing=bool(examples))
     config.validate(pair.drafter.config.num_hidden_layers)
-    cache = resolve_cache_dir(args.cache_dir)
+    cache = cache_dir(args)
     trajectories = cached_trajectories(cache, pair.target, prompts, decode) if args.verify == "replay" else None
     drafter_hash = fingerprint(pair.drafter)
     tracker = make_tracker(args, "run", {
         "settings": config_record(config), "drafter": drafter_dir, "drafter_hash": drafter_hash,
         "target": target_path, "prompts": source, "prompt_count": len(prompts), "heal_data": heal_data,
         "out": args.out, "resume": args.resume}, drafter_hash, out=args.out)
+    campaign = Campaign(pair.drafter, drafter_dir, prompts, pair.target, trajectories, examples, cache)
+    hooks = RunHooks(log=lambda message: print(message, file=sys.stderr), on_step=tracker.on_step,
+                     progress=functools.partial(progress_bar, enabled=show_progress(args.json)))
     try:
-        state = run_pruning(pair.drafter, drafter_dir, prompts, args.out, config, target=pair.target,
-                            trajectories=trajectories, heal_examples=examples, resume=args.resume,
-                            export_dtype=args.export_dtype,
-                            timing=None if args.resume and has_run(args.out) else
-                            measure_timing(pair.drafter, config.score, pair.target, times),
-                            log=lambda message: print(message, file=sys.stderr), on_step=tracker.on_step,
-                            progress=functools.partial(progress_bar, enabled=show_progress(args.json)))
+        timing = (None if args.resume and has_run(args.out) else
+                  campaign_timing(pair.drafter, config.score, pair.target, times, cache))
+        state = run_pruning(campaign, args.out, config, resume=args.resume, timing=timing,
+                            export_dtype=args.export_dtype, hooks=hooks)
     except BaseException:
         tracker.finish(exit_code=1)
         raise
-    if args.speed_prompts > 0 and "speed" not in state:
-        state = _check_speed(args, state, pair, decode)
+    if args.speed_prompts > 0 and state.speed is None:
+        _check_speed(args, state, pair, decode)
     tracker.finish(state, args.out)
-    write_json(state, args.json)
-    print("\n".join(summary_lines(state, args.out)), file=sys.stderr)
+    write_json(state.to_dict(), args.json)
+    print("\n".join(summary_lines(state.to_dict(), args.out)), file=sys.stderr)
     return 0
+
+
+def run_config(args, decode, healing: bool) -> RunConfig:
+    """The RunConfig of `prune run`'s flags (`healing`: there are heal examples; without, no heal steps)."""
+    return RunConfig(
+        layers_to_remove=args.layers_to_remove, min_retention=args.min_retention, per_step=args.per_step,
+        stop_on_speedup=not args.no_speedup_stop,
+        score=ScoreConfig(criterion=args.criterion, verify=args.verify, decode=decode, seed=args.seed),
+        heal=HealConfig(steps=args.heal_steps if healing else 0, rank=args.lora_rank, alpha=args.lora_alpha,
+                        lr=args.heal_lr, seed=args.seed),
+    )
 
 
 def check_layer_budget(args) -> None:
     """--layers-to-remove and --per-step against the drafter's layer count (its config.json), before any
     model loads: a budget the drafter cannot meet fails at once, not after the pair is loaded."""
     from models.errors import ConfigError
-    from prune.progressive import RunConfig
 
     layers = drafter_layers(args)
     RunConfig(layers_to_remove=args.layers_to_remove, min_retention=args.min_retention,
@@ -150,12 +163,13 @@ def check_layer_budget(args) -> None:
                           "must remain); lower --per-step")
 
 
-def _check_speed(args, state: dict, pair, decode) -> dict:
-    """Run the measured speed check (prune.speed) and record it in OUT/state.json and OUT/report.md."""
+def _check_speed(args, state, pair, decode) -> None:
+    """Run the measured speed check (prune.speed) and record it in `state` (a prune.state.RunState),
+    OUT/state.json and OUT/report.md."""
     from decode.prompts import tokenize_records
-    from prune.progressive import save_state
     from prune.report import write_report
     from prune.speed import measure_speed
+    from prune.state import save_state
 
     from_file = args.speed_suite.endswith(".jsonl")
     records_args = argparse.Namespace(**{**vars(args), "suite": None if from_file else args.speed_suite,
@@ -165,26 +179,27 @@ def _check_speed(args, state: dict, pair, decode) -> dict:
     if pair.tokenizer is None and any("input_ids" not in record for record in records):
         print(f"note: no speed check: {source} holds text and the pair has no tokenizer (--speed-suite FILE.jsonl "
               "with input_ids records, or --speed-prompts 0)", file=sys.stderr)
-        return state
+        return
     prompts = tokenize_records(records, pair.tokenizer, not args.no_chat_template)
     print(f"measuring speed on {len(prompts)} held-out prompts ({source}) ...", file=sys.stderr)
-    state = {**state, "speed": measure_speed(state, args.out, pair.drafter, pair.target, prompts, decode, source)}
+    state.speed = measure_speed(state, args.out, pair.drafter, pair.target, prompts, decode, source)
     save_state(args.out, state)
     write_report(args.out, state)
-    return state
 
 
 def summary_lines(state: dict, out: str) -> list[str]:
     """The end-of-run summary a person reads (stderr): what was removed, before -> after, where things are.
 
-    Calibration tau and predicted speedup come from the run's state. Held-out tau and measured speedup are
-    printed when the state holds them: `state["speed"]` = {"base": {...}, "final": {...}}, each with any of
+    `state`: the run's state as the JSON document `--json` writes (prune.state.RunState.to_dict()), whose
+    parts it reads as far as they are there. Calibration tau and predicted speedup come from it. Held-out
+    tau and measured speedup are printed when the state holds them: `state["speed"]` = {"base": {...}, "final": {...}}, each with any of
     "tau", "predicted_speedup", "measured_speedup" (its predicted speedup, when given, replaces the
     calibration one). Layer indices are 0-based, in the unpruned drafter.
     """
     from pathlib import Path
 
     from models.checkpoint import stored_dtype
+    from prune.text import number
 
     history, base = state["history"], state["base"]
     final = history[-1] if history else {}
@@ -197,22 +212,21 @@ def summary_lines(state: dict, out: str) -> list[str]:
              f"{len(history)} step{'s' * (len(history) != 1)}; stopped by {state['stopped_by']}"
              if history else f"removed no layer; stopped by {state['stopped_by']}"]
 
-    def before_after(label: str, before, after, form: str, retention: bool = False) -> None:
+    def before_after(label: str, before, after, digits: int, suffix: str = "", retention: bool = False) -> None:
         """Add "label: before -> after" (just "before" when no step was taken), if there is a number to show."""
         if before is None and (after is None or not history):
             return
         values = (before, after) if history else (before,)
-        text = " -> ".join("-" if v is None else form.format(v) for v in values)
+        text = " -> ".join(number(v, digits, suffix) for v in values)
         if retention and history and before and after is not None:
             text += f" (retention {after / before:.4f})"
         lines.append(f"{label}: {text}")
 
-    before_after("calibration tau", base["tau"], final.get("tau"), "{:.3f}", retention=True)
-    before_after("held-out tau", speed_base.get("tau"), speed_final.get("tau"), "{:.3f}", retention=True)
+    before_after("calibration tau", base["tau"], final.get("tau"), 3, retention=True)
+    before_after("held-out tau", speed_base.get("tau"), speed_final.get("tau"), 3, retention=True)
     predicted = (speed_base, speed_final) if "predicted_speedup" in speed_base | speed_final else (base, final)
-    before_after("predicted speedup", *(p.get("predicted_speedup") for p in predicted), "{:.2f}x")
-    before_after("measured speedup", speed_base.get("measured_speedup"), speed_final.get("measured_speedup"),
-                 "{:.2f}x")
+    before_after("predicted speedup", *(p.get("predicted_speedup") for p in predicted), 2, "x")
+    before_after("measured speedup", speed_base.get("measured_speedup"), speed_final.get("measured_speedup"), 2, "x")
     if history:
         layers = final["layers"]
         lines.append(f"pruned drafter: {Path(out) / 'final'} -> {final['folder']} ({layers} "

@@ -1,5 +1,9 @@
 """`prune score`: per-layer importance, the drop in acceptance length when one layer is removed."""
 
+from decode.config import VERIFY_MODES
+from prune.config import ScoreConfig
+from prune.criteria import CRITERIA, describe
+
 from . import _types
 from ._common import (
     add_command,
@@ -8,7 +12,9 @@ from ._common import (
     add_model_args,
     add_prompt_args,
     add_tracking_args,
+    cache_dir,
     decode_config,
+    defaults,
     load_pair_and_prompts,
     make_tracker,
     show_progress,
@@ -21,6 +27,7 @@ examples:
   prune score --limit 16                                  (the demo pair, humaneval calibration prompts)
   prune score --drafter DRAFTER --target TARGET --prompts calib.jsonl --criterion speedup --json scores.json
 """
+SCORE = defaults(ScoreConfig)
 
 
 def add_parser(subparsers) -> None:
@@ -35,16 +42,15 @@ def add_parser(subparsers) -> None:
     )
     add_model_args(parser)
     add_prompt_args(parser, default_suite="humaneval:calib", max_new_tokens=64, limit=16)
-    parser.add_argument("--criterion", choices=("tau", "speedup"), default="tau",
-                        help="tau: drop in acceptance length; speedup: drop in predicted speedup")
-    parser.add_argument("--verify", choices=("replay", "live"), default="replay",
+    parser.add_argument("--criterion", choices=tuple(CRITERIA), default=SCORE["criterion"], help=describe())
+    parser.add_argument("--verify", choices=VERIFY_MODES, default=SCORE["verify"],
                         help="replay: target trajectories recorded once; live: the target in every evaluation")
     add_decode_args(parser)
-    parser.add_argument("--batch-size", type=_types.positive_int, default=16,
+    parser.add_argument("--batch-size", type=_types.positive_int, default=SCORE["batch_size"],
                         help="prompts per batched drafter pass (replay)")
-    parser.add_argument("--bootstrap", type=_types.positive_int, default=1000,
+    parser.add_argument("--bootstrap", type=_types.positive_int, default=SCORE["bootstrap"],
                         help="bootstrap resamples for the intervals")
-    parser.add_argument("--seed", type=_types.non_negative_int, default=0, help="bootstrap seed")
+    parser.add_argument("--seed", type=_types.non_negative_int, default=SCORE["seed"], help="bootstrap seed")
     parser.add_argument("--no-cache", action="store_true", help="recompute even when cached results exist")
     parser.add_argument("--json", metavar="OUT", default=None, type=_types.output_file,
                         help="write the JSON report to OUT ('-' = stdout)")
@@ -54,20 +60,10 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from dataclasses import asdict
-
-    from decode.timing import drafter_layer_costs
-    from models._wheels import resolve_cache_dir
     from prune.progress import progress_bar
-    from prune.scoring import (
-        ScoreConfig,
-        cached_json,
-        cached_trajectories,
-        fingerprint,
-        placement,
-        score_layers,
-        trajectory_key,
-    )
+    from prune.cache import fingerprint
+    from prune.scoring import cached_scores, cached_trajectories
+    from prune.state import campaign_timing
 
     pair, prompts, drafter_dir, target_path, source = load_pair_and_prompts(args)
     decode, times = decode_config(args, pair, max_new_tokens=args.max_new_tokens)
@@ -75,24 +71,17 @@ def run(args) -> int:
                          bootstrap=args.bootstrap, seed=args.seed)
     config.validate()
     ids = [p.input_ids for p in prompts]
-    cache = None if args.no_cache else resolve_cache_dir(args.cache_dir)
+    cache = cache_dir(args)
     trajectories = cached_trajectories(cache, pair.target, ids, decode) if args.verify == "replay" else None
-    drafter_hash = fingerprint(pair.drafter)
-    # The drafter's dtype and device as well as its weights (the target's are in the trajectory key).
-    key = fingerprint("scores", drafter_hash, *placement(pair.drafter), trajectory_key(pair.target, ids, decode),
-                      config.criterion, config.verify, config.bootstrap, config.seed, asdict(decode))
-    layers = pair.drafter.config.num_hidden_layers
-
-    def score() -> dict:
-        # Every reduced drafter has one layer fewer: its pass times come from the drafter's cost per layer
-        # (decode.cost.LayerCost, fitted on two depths) instead of 36 timings that differ only by noise.
-        costs = drafter_layer_costs(pair.drafter, decode.packed_budget, full=(times.draft_ms, times.packed_ms))
-        return score_layers(pair.drafter, ids, config, target=pair.target, trajectories=trajectories,
-                            on_layer=lambda *_: advance(), times=times, layer_costs=costs).to_dict()
-
-    with progress_bar("score", layers, enabled=show_progress(args.json)) as advance:
-        report = cached_json(cache / "scores" if cache else None, key, score)
+    # Every reduced drafter has one layer fewer: its pass times come from the drafter's cost per layer
+    # (decode.cost.LayerCost, fitted on two depths) instead of 36 timings that differ only by noise. The
+    # timing and the report are those `prune run` uses and caches for its first round.
+    timing = campaign_timing(pair.drafter, config, pair.target, times, cache)
+    with progress_bar("score", pair.drafter.config.num_hidden_layers, enabled=show_progress(args.json)) as advance:
+        report = cached_scores(cache, pair.drafter, ids, config, timing, pair.target, trajectories,
+                               on_layer=lambda *_: advance()).to_dict()
     report["settings"].update({"drafter": drafter_dir, "target": target_path, "prompts_source": source})
+    drafter_hash = fingerprint(pair.drafter)
     tracker = make_tracker(args, "score", {"settings": report["settings"], "drafter_hash": drafter_hash},
                            drafter_hash)
     tracker.log_scores(report)

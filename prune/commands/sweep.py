@@ -4,25 +4,31 @@ import argparse
 import os
 import sys
 
+from decode.config import VERIFY_MODES
+from prune.config import ScoreConfig
+from sweeps import storages
+from sweeps.config import COSTS, MODES, PRUNERS, TRIAL_BOOTSTRAP, SweepConfig
+
 from . import _types
 from ._common import (
     add_command,
     add_debug,
     add_decode_args,
     add_export_dtype_arg,
-    add_heal_data_arg,
     add_model_args,
     add_prompt_args,
     add_tracking_args,
+    cache_dir,
     decode_config,
+    defaults,
     drafter_layers,
-    heal_examples,
     load_pair_and_prompts,
     make_tracker,
     prompt_records,
     stdout_console,
     write_json,
 )
+from ._heal import add_heal_data_arg, heal_examples
 
 EXAMPLES = """
 examples:
@@ -32,6 +38,7 @@ examples:
   prune sweep --study s3 --n-trials 100 --storage postgresql://user:pass@db-host/optuna --out /scratch/s3
         (run the same command on every machine: the workers share the study and its 100-trial budget)
 """
+SWEEP, SCORE = defaults(SweepConfig), defaults(ScoreConfig)
 
 
 def add_parser(subparsers) -> None:
@@ -49,8 +56,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--study", required=True, type=_types.name,
                         help="study name (also the W&B group of its trials)")
     parser.add_argument("--storage", default=None,
-                        help="Optuna storage: sqlite:///FILE, postgresql://..., mysql+pymysql://..., journal:FILE "
-                        "(default: sqlite under --out)")
+                        help=f"Optuna storage: {storages.examples()} (default: sqlite under --out)")
     parser.add_argument("--out", default=None, type=_types.output_dir,
                         help="folder for this worker's trials (default: sweep-STUDY)")
     parser.add_argument("--n-trials", type=_types.positive_int, default=None,
@@ -59,17 +65,17 @@ def add_parser(subparsers) -> None:
                         help="start no trial after this many seconds")
     parser.add_argument("--space", default=None, type=_types.text_file,
                         help="search space TOML file (default: the shipped one)")
-    parser.add_argument("--directions", nargs="+", default=["maximize"], choices=("maximize", "minimize"),
+    parser.add_argument("--directions", nargs="+", default=list(SWEEP["directions"]), choices=MODES[-1],
                         help="`maximize`: predicted speedup; `maximize minimize`: retention vs cost (Pareto)")
-    parser.add_argument("--retention-floor", type=_types.positive_fraction, default=0.95,
+    parser.add_argument("--retention-floor", type=_types.positive_fraction, default=SWEEP["retention_floor"],
                         help="least eval retention of a feasible trial; also the least --min-retention of a campaign")
-    parser.add_argument("--cost", choices=("layers", "packed_ms"), default="layers",
+    parser.add_argument("--cost", choices=COSTS, default=SWEEP["cost"],
                         help="cost objective of the Pareto mode: layers left or predicted packed-pass ms")
-    parser.add_argument("--pruner", choices=("median", "none"), default="median",
+    parser.add_argument("--pruner", choices=PRUNERS, default=PRUNERS[0],
                         help="stop unpromising trials early (single-objective mode only)")
-    parser.add_argument("--seed", type=_types.non_negative_int, default=0,
+    parser.add_argument("--seed", type=_types.non_negative_int, default=SWEEP["seed"],
                         help="seeds the sampler (per trial), healing and bootstrap")
-    parser.add_argument("--heartbeat", type=_types.non_negative_int, default=30,
+    parser.add_argument("--heartbeat", type=_types.non_negative_int, default=storages.Options.heartbeat,
                         help="seconds between a running trial's heartbeats (RDB storages; 0: off)")
     parser.add_argument("--grace", type=_types.positive_int, default=None,
                         help="seconds without heartbeat before a trial counts as dead (default: 3 x --heartbeat)")
@@ -83,7 +89,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--eval-prompts", default=None, metavar="FILE.jsonl", type=_types.text_file,
                         help="JSONL evaluation prompts instead")
     parser.add_argument("--eval-limit", type=_types.positive_int, default=8, help="evaluation prompts used")
-    parser.add_argument("--verify", choices=("replay", "live"), default="replay", help="verification in scoring")
+    parser.add_argument("--verify", choices=VERIFY_MODES, default=SCORE["verify"], help="verification in scoring")
     add_decode_args(parser)
     add_heal_data_arg(parser)  # without healing data the space's LoRA settings are not searched
     add_export_dtype_arg(parser)
@@ -93,9 +99,9 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from sweeps.objective import SweepConfig, check_layer_budget
+    from sweeps.objective import check_layer_budget
     from sweeps.space import SearchSpace
-    from sweeps.study import make_storage, open_study, run_worker, summarize
+    from sweeps.study import open_study, run_worker, summarize
 
     out = args.out or f"sweep-{args.study}"
     config = SweepConfig(study=args.study, out=out, directions=tuple(args.directions),
@@ -103,7 +109,8 @@ def run(args) -> int:
                          export_dtype=args.export_dtype)
     config.validate()
     space = SearchSpace.from_file(args.space)
-    storage = make_storage(args.storage or f"sqlite:///{os.path.abspath(out)}/optuna.db", args.heartbeat, args.grace)
+    storage = storages.make_storage(args.storage or f"sqlite:///{os.path.abspath(out)}/optuna.db", args.heartbeat,
+                                    args.grace)
     if args.summary:
         import optuna
 
@@ -133,8 +140,8 @@ def _objective(args, config, space):
     from dataclasses import replace
 
     from decode.prompts import check_context, tokenize_records
-    from models._wheels import resolve_cache_dir
-    from prune.scoring import ScoreConfig, cached_trajectories, fingerprint
+    from prune.cache import fingerprint
+    from prune.scoring import cached_trajectories
     from sweeps.objective import PruningObjective, SweepData
 
     if args.limit is None:
@@ -144,12 +151,12 @@ def _objective(args, config, space):
                                             "prompts": args.eval_prompts, "limit": args.eval_limit})
     evaluation = tokenize_records(prompt_records(evaluation_args)[0], pair.tokenizer, not args.no_chat_template)
     check_context(evaluation, args.max_new_tokens, pair.drafter.config.block_size, pair.max_positions)
-    decode, _ = decode_config(args, pair, max_new_tokens=args.max_new_tokens)
-    config.score = ScoreConfig(verify=args.verify, decode=decode, bootstrap=200, seed=args.seed)
+    decode, times = decode_config(args, pair, max_new_tokens=args.max_new_tokens)
+    config.score = ScoreConfig(verify=args.verify, decode=decode, bootstrap=TRIAL_BOOTSTRAP, seed=args.seed)
     config.heal = replace(config.heal, seed=args.seed)
     calibration_ids = [p.input_ids for p in calibration]
     evaluation_ids = [p.input_ids for p in evaluation]
-    cache = resolve_cache_dir(args.cache_dir)
+    cache = cache_dir(args)
 
     def trajectories(ids):
         return cached_trajectories(cache, pair.target, ids, decode) if args.verify == "replay" else None
@@ -160,7 +167,7 @@ def _objective(args, config, space):
               file=sys.stderr)
     drafter_hash = fingerprint(pair.drafter)
     data = SweepData(pair.drafter, drafter_dir, pair.target, calibration_ids, trajectories(calibration_ids),
-                     evaluation_ids, trajectories(evaluation_ids), examples, drafter_hash)
+                     evaluation_ids, trajectories(evaluation_ids), examples, drafter_hash, times, cache)
 
     def tracker_factory(trial, run_config):
         name = f"{config.study}-trial-{trial.number:04d}"
@@ -183,6 +190,8 @@ def print_summary(summary: dict) -> None:
 
     from rich.table import Table
 
+    from prune.text import number
+
     counts = ", ".join(f"{n} {state.lower()}" for state, n in summary["counts"].items()) or "no trials"
     multi = "pareto_front" in summary
     rows = summary["pareto_front"] if multi else [summary["best"]] if summary["best"] else []
@@ -196,15 +205,12 @@ def print_summary(summary: dict) -> None:
         where = row["checkpoint"] or "-"
         if row.get("host") and row["host"] != here:
             where = f"{row['host']}:{where}"
-        table.add_row(str(row["number"]), _fmt(row["eval_retention"], 4), _fmt(row["eval_tau"], 3),
-                      _fmt(row["predicted_speedup"], 2), str(row["layers"]), str(row["layers_removed"]), where)
+        table.add_row(str(row["number"]), number(row["eval_retention"], 4), number(row["eval_tau"], 3),
+                      number(row["predicted_speedup"], 2), str(row["layers"]), str(row["layers_removed"]), where)
     stdout_console().print(table)
     front = summary.get("tradeoff_front")
     if front:
-        listed = ", ".join(f"trial {row['number']} (retention {_fmt(row['eval_retention'], 4)}, cost {_fmt(row['cost'], 2)})"
-                           for row in front)
+        listed = ", ".join(f"trial {row['number']} (retention {number(row['eval_retention'], 4)}, cost "
+                           f"{number(row['cost'], 2)})" for row in front)
         stdout_console().print(f"trade-off front (eval retention vs cost, from trial attributes): {listed}")
 
-
-def _fmt(value, digits: int) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"

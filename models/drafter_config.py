@@ -1,0 +1,50 @@
+"""The drafter's config rules: its extra keys, their bounds and their validation (docs/design.md, Layer surgery).
+
+A drafter config is a Qwen3 config (`model_type` "qwen3") carrying `block_size` and `mask_token_id`, and
+optionally `draft_vocab_size` and `original_layer_indices` (models/drafter.py describes them). Nothing
+here imports torch or transformers: the command line checks flags against these rules before a model loads.
+"""
+
+from .errors import ConfigError
+
+REQUIRED_KEYS = ("block_size", "mask_token_id")  # what tells a block-diffusion drafter from a target model
+MAX_BLOCK_SIZE = 64
+
+
+def validate_config(config, where: str = "drafter config") -> None:
+    """Raise ConfigError naming the first inconsistency of a drafter config (a transformers config or a dict)."""
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    if get("model_type") != "qwen3":
+        raise ConfigError(f"{where}: model_type is {get('model_type')!r}; a drafter must be a qwen3 model")
+    for key in REQUIRED_KEYS:
+        if get(key) is None:
+            raise ConfigError(f"{where}: missing key {key!r}; a drafter config needs {', '.join(REQUIRED_KEYS)}")
+    vocab_size, block_size, mask_id = get("vocab_size"), get("block_size"), get("mask_token_id")
+    if not isinstance(block_size, int) or not 2 <= block_size <= MAX_BLOCK_SIZE:
+        raise ConfigError(f"{where}: block_size {block_size!r} must be an integer in 2..{MAX_BLOCK_SIZE}")
+    if not isinstance(mask_id, int) or not 0 <= mask_id < vocab_size:
+        raise ConfigError(f"{where}: mask_token_id {mask_id!r} must be an id in 0..{vocab_size - 1}")
+    draft_vocab = get("draft_vocab_size") or vocab_size
+    if not 0 < draft_vocab <= vocab_size:
+        raise ConfigError(f"{where}: draft_vocab_size {draft_vocab} must be in 1..vocab_size ({vocab_size})")
+    heads, kv_heads = get("num_attention_heads"), get("num_key_value_heads")
+    if heads and kv_heads and heads % kv_heads:
+        raise ConfigError(f"{where}: num_attention_heads {heads} must be a multiple of num_key_value_heads "
+                          f"{kv_heads} (--heads, --kv-heads)")
+    layers = get("num_hidden_layers")
+    layer_types = get("layer_types")
+    if layer_types is not None and len(layer_types) != layers:
+        raise ConfigError(
+            f"{where}: layer_types has {len(layer_types)} entries but num_hidden_layers is {layers}; "
+            "re-export the drafter with this tool's layer surgery"
+        )
+    kept = get("original_layer_indices")
+    if kept is not None and (len(kept) != layers or list(kept) != sorted(set(kept))):
+        raise ConfigError(
+            f"{where}: original_layer_indices {kept} must list {layers} distinct increasing layer indices"
+        )
+
+
+def draft_vocab_limit(config) -> int:
+    """Ids at or above this are padding rows, never proposed."""
+    return getattr(config, "draft_vocab_size", None) or config.vocab_size

@@ -1,0 +1,119 @@
+"""Settings of scoring, healing and a pruning campaign: one dataclass per concern, the one home of their
+defaults and validation, read by the library and by the `prune` command line (nothing here imports torch).
+"""
+
+from dataclasses import dataclass, field
+
+from decode.config import VERIFY_MODES, DecodeConfig
+from models.errors import ConfigError, one_of
+
+from .criteria import CRITERIA, DEFAULT_CRITERION
+from .training.config import TrainConfig
+
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class ScoreConfig:
+    """How layers are scored (prune.scoring).
+
+    Attributes:
+        criterion: a name of prune.criteria.CRITERIA: "tau" (drop in mean acceptance length) or "speedup"
+            (drop in predicted speedup).
+        verify: "replay" (recorded target trajectories; drafter cost only) or "live".
+        decode: decoder settings (greedy; max_new_tokens, budget, stop ids).
+        batch_size: prompts per batched drafter pass in replay.
+        bootstrap: resamples for the confidence interval; confidence: its level.
+        timing_repeats: timed passes per measurement (the median is kept).
+        seed: seeds the bootstrap.
+    """
+
+    criterion: str = DEFAULT_CRITERION
+    verify: str = "replay"
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    batch_size: int = 16
+    bootstrap: int = 1000
+    confidence: float = 0.95
+    timing_repeats: int = 5
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.criterion not in CRITERIA:
+            raise ConfigError(f"unknown criterion {self.criterion!r}; choose {one_of(CRITERIA)} (--criterion)")
+        if self.verify not in VERIFY_MODES:
+            raise ConfigError(f"unknown verify mode {self.verify!r}; choose {one_of(VERIFY_MODES)} (--verify)")
+        if self.decode.temperature != 0:
+            raise ConfigError("layer scoring is greedy; use temperature 0")
+        if self.batch_size < 1 or self.bootstrap < 1 or not 0 < self.confidence < 1:
+            raise ConfigError("batch_size and bootstrap must be >= 1 and confidence in (0, 1)")
+
+
+@dataclass
+class HealConfig:
+    """LoRA healing settings (prune.heal).
+
+    Attributes:
+        steps: optimizer updates (0 disables healing).
+        rank, alpha, dropout: LoRA rank, scaling numerator (scale = alpha / rank) and dropout.
+        target_modules: module names that get adapters.
+        lr, batch_size, warmup_steps, blocks_per_sequence, max_length, gamma: as in
+            `prune.training.config.TrainConfig`.
+        distill_weight: share of the loss that matches the teacher passed to `prune.heal.heal` (the drafter
+            before the layers were removed) instead of the target's tokens (`TrainConfig.distill_weight`).
+        seed: seeds adapter initialisation, batch order and anchors.
+    """
+
+    steps: int = 40
+    rank: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
+    lr: float = 5e-4
+    batch_size: int = 4
+    warmup_steps: int = 5
+    blocks_per_sequence: int = 16
+    max_length: int = 320
+    gamma: float = TrainConfig.gamma
+    distill_weight: float = 0.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.steps < 0 or self.rank < 1 or self.alpha <= 0:
+            raise ConfigError(
+                f"heal steps {self.steps} must be >= 0, LoRA rank {self.rank} >= 1 and alpha {self.alpha} > 0 "
+                "(--heal-steps, --lora-rank, --lora-alpha)"
+            )
+
+
+@dataclass
+class RunConfig:
+    """Settings of a pruning campaign (prune.progressive).
+
+    Attributes:
+        layers_to_remove: stop after removing this many layers (None: only the other rules stop).
+        min_retention: never take a step whose calibration tau falls below this fraction of the unpruned tau.
+        per_step: layers removed per step.
+        stop_on_speedup: stop when predicted speedup does not improve over the previous step.
+        score: scoring settings (criterion, verify mode, decoding).
+        heal: LoRA healing settings (steps = 0 disables healing).
+    """
+
+    layers_to_remove: int | None = None
+    min_retention: float = 0.99
+    per_step: int = 1
+    stop_on_speedup: bool = True
+    score: ScoreConfig = field(default_factory=ScoreConfig)
+    heal: HealConfig = field(default_factory=HealConfig)
+
+    def validate(self, num_layers: int) -> None:
+        if not 0 < self.min_retention <= 1:
+            raise ConfigError(f"--min-retention {self.min_retention} must be in (0, 1]")
+        if self.per_step < 1:
+            raise ConfigError(f"--per-step {self.per_step} must be at least 1")
+        if self.layers_to_remove is not None and not 0 < self.layers_to_remove < num_layers:
+            raise ConfigError(
+                f"--layers-to-remove {self.layers_to_remove} must be in 1..{num_layers - 1}: the drafter has "
+                f"{num_layers} layers and at least one must remain"
+            )
+        self.score.validate()
+        self.heal.validate()

@@ -1,0 +1,287 @@
+"""The state of a pruning run, OUT/state.json: its schema, reading (older files included) and writing.
+
+`prune.progressive` builds and updates a `RunState`; `prune.report`, `prune.tracking`, `prune.speed`, the
+`prune run` command and sweep trials read it. It is saved as JSON (`indent=2, sort_keys=True`) after every
+step, in this form (times in ms, tau in committed tokens per target pass, layer indices 0-based):
+
+    {"config":  RunConfig as JSON (prune.config; what a --resume must match),
+     "source":  the unpruned drafter's folder,
+     "timing":  Timing: the pass times every predicted speedup of the run uses,
+     "base":    BaseRecord: the unpruned drafter on the calibration prompts,
+     "history": [StepRecord, ...]: the steps taken, in order,
+     "stopped_by": the rule that ended the run (None while it runs),
+     "speed":   SpeedCheck: the measured check at the end (absent until it ran)}
+
+`RunState.from_dict` reads every form this tool has written: timing from before the cost model
+(`{"layers", "draft_ms", "packed_ms", "verify_ms", "ar_ms"}`, written back as it was read) and layer
+scores without the fields added later (read as None).
+"""
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from decode.cost import LayerCost, PassTimes
+from decode.timing import drafter_layer_costs, measure_pass_times
+from models.checkpoint import atomic_write_text
+
+from .cache import cached_json, timing_key
+from .config import ScoreConfig
+from .scoring import LayerScore
+
+STATE_NAME = "state.json"
+
+
+@dataclass
+class Timing:
+    """Pass times measured once per campaign, the basis of every predicted speedup (decode.cost).
+
+    Attributes:
+        layers: layer count of the drafter they were measured on (the unpruned one).
+        draft, packed: the sync draft pass and the full-budget packed pass as affine functions of the drafter's
+            depth (decode.cost.LayerCost: fixed_ms + per_layer_ms x layers), fitted on the drafter and a
+            half-depth copy; JSON: [fixed_ms, per_layer_ms].
+        target: the pair's pass times (decode.cost.PassTimes: the target's ar step, verify slope, contention;
+            JSON: its fields), or None when no target was timed.
+        legacy: the timing as a state written before the cost model holds it (`layers`, `draft_ms`,
+            `packed_ms`, `verify_ms`, `ar_ms`: whole passes, verify of the drafter's block of 16), else None;
+            the other fields are then derived from it (drafter times proportional to depth, no contention).
+    """
+
+    layers: int
+    draft: LayerCost
+    packed: LayerCost
+    target: PassTimes | None
+    legacy: dict | None = None
+
+    def pass_times(self, layers: int) -> PassTimes | None:
+        """The pair's pass times with a `layers`-layer drafter of this campaign (None without target times)."""
+        if self.target is None:
+            return None
+        return self.target.with_drafter(self.draft.at(layers), self.packed.at(layers))
+
+    def layer_costs(self) -> tuple[LayerCost, LayerCost]:
+        """(sync draft, packed) pass time as functions of depth."""
+        return self.draft, self.packed
+
+    def packed_ms(self, layers: int) -> float:
+        """Modelled packed-pass time (ms) of a `layers`-layer drafter of this campaign."""
+        return self.packed.at(layers)
+
+    def to_dict(self) -> dict:
+        if self.legacy is not None:
+            return dict(self.legacy)
+        return {"layers": self.layers, "draft": [self.draft.fixed_ms, self.draft.per_layer_ms],
+                "packed": [self.packed.fixed_ms, self.packed.per_layer_ms],
+                "target": self.target.to_dict() if self.target is not None else None}
+
+    @classmethod
+    def from_dict(cls, record: dict) -> "Timing":
+        if "packed" in record:
+            target = PassTimes(**record["target"]) if record.get("target") is not None else None
+            return cls(record["layers"], LayerCost(*record["draft"]), LayerCost(*record["packed"]), target)
+        layers = record["layers"]  # a state written before the cost model
+        target = None
+        if record.get("verify_ms") is not None:
+            target = PassTimes(record["ar_ms"], (record["verify_ms"] - record["ar_ms"]) / 15, 0.0, 0.0, contention=0.0)
+        return cls(layers, LayerCost(0.0, record["draft_ms"] / layers), LayerCost(0.0, record["packed_ms"] / layers),
+                   target, legacy=dict(record))
+
+
+def measure_timing(drafter, score: ScoreConfig, target=None, times: PassTimes | None = None) -> Timing:
+    """The Timing of the unpruned `drafter` with `target` (decode.timing; a few seconds).
+
+    `times`: the pair's decode.cost.PassTimes when already measured (the adaptive width's); else measured.
+    """
+    if times is None and target is not None:
+        times = measure_pass_times(target, drafter, score.decode, score.timing_repeats)
+    full = (times.draft_ms, times.packed_ms) if times is not None else None
+    draft, packed = drafter_layer_costs(drafter, score.decode.packed_budget, score.timing_repeats, full)
+    return Timing(drafter.config.num_hidden_layers, draft, packed, times)
+
+
+def campaign_timing(drafter, score: ScoreConfig, target=None, times: PassTimes | None = None,
+                    cache: Path | None = None) -> Timing:
+    """`measure_timing`, kept in the cache folder under prune.cache.timing_key (measured once per drafter,
+    target, device, dtype, threads, decoder settings and pair's pass times) when `cache` and `target` are
+    given: `prune score`, `prune run` and sweeps then time a pair alike, and share their score cache."""
+    if cache is None or target is None:
+        return measure_timing(drafter, score, target, times)
+    key = timing_key(drafter, target, score.decode, score.timing_repeats, times.to_dict() if times else None)
+    return Timing.from_dict(cached_json(Path(cache) / "timing", key,
+                                        lambda: measure_timing(drafter, score, target, times).to_dict()))
+
+
+@dataclass
+class BaseRecord:
+    """The unpruned drafter on the calibration prompts.
+
+    Attributes:
+        tau: calibration tau (async decoder, the macro mean over prompts).
+        fallback_rate: share of async rounds that needed a fallback draft.
+        predicted_speedup: predicted async speedup over the target alone (None without target times).
+    """
+
+    tau: float
+    fallback_rate: float | None
+    predicted_speedup: float | None
+
+
+@dataclass
+class StepRecord:
+    """One step taken: layers removed, then healed, measured and exported to OUT/`folder`.
+
+    Attributes:
+        step: 1, 2, ...; folder: its export, "step-XX" (relative to OUT).
+        removed: the removed layers' indices in the drafter the step started from.
+        removed_original: the same layers' indices in the unpruned drafter.
+        layers: layers left after the step.
+        tau_before_heal: calibration tau right after the removal; tau: after the heal (or without it, when
+            the heal was rolled back or off).
+        retention: tau / the unpruned calibration tau.
+        heal_rolled_back: the heal lowered tau, so the pre-heal weights were kept.
+        predicted_speedup: the step's predicted async speedup (None without target times).
+        heal_loss: the drafter loss of each LoRA update of the heal ([] without healing).
+        scores: the scoring round that chose the step: every layer of the drafter the step started from
+            (prune.scoring.LayerScore).
+    """
+
+    step: int
+    folder: str
+    removed: list[int]
+    removed_original: list[int]
+    layers: int
+    tau_before_heal: float
+    tau: float
+    retention: float
+    heal_rolled_back: bool
+    predicted_speedup: float | None
+    heal_loss: list[float]
+    scores: list[LayerScore]
+
+    def to_dict(self, scores: bool = True) -> dict:
+        """As JSON; without `scores` it is the history entry of an export's report and model card."""
+        record = asdict(self)
+        if not scores:
+            del record["scores"]
+        return record
+
+    @classmethod
+    def from_dict(cls, record: dict) -> "StepRecord":
+        return cls(**{**record, "scores": [LayerScore(**s) for s in record["scores"]]})
+
+
+@dataclass
+class SpeedRow:
+    """One drafter in the measured speed check (async decoder, live target, held-out prompts).
+
+    Attributes:
+        tau: held-out tau (macro mean); measured_speedup: time per token of ar / of async, interleaved;
+        predicted_speedup: the cost model at this check's tau, verify width and fallback rate;
+        speedup_limit: tau x T_ar / T_verify; exact: every async output equals ar's.
+    """
+
+    tau: float | None
+    measured_speedup: float | None
+    predicted_speedup: float | None
+    speedup_limit: float | None
+    exact: bool | None
+
+
+@dataclass
+class SpeedCheck:
+    """The measured end of a run (prune.speed): the unpruned (`base`) and final drafters against the target.
+
+    Attributes:
+        prompts: held-out prompts decoded; source: where they came from (a suite part or a file);
+        max_new_tokens: tokens generated per prompt at most.
+        base, final: each drafter's SpeedRow (`final` None when no step was taken).
+    """
+
+    prompts: int
+    source: str
+    max_new_tokens: int
+    base: SpeedRow | None = None
+    final: SpeedRow | None = None
+
+    def to_dict(self) -> dict:
+        record = {"prompts": self.prompts, "source": self.source, "max_new_tokens": self.max_new_tokens}
+        record.update({name: asdict(row) for name, row in (("base", self.base), ("final", self.final)) if row})
+        return record
+
+    @classmethod
+    def from_dict(cls, record: dict) -> "SpeedCheck":
+        rows = {name: SpeedRow(**record[name]) for name in ("base", "final") if record.get(name)}
+        return cls(record["prompts"], record["source"], record["max_new_tokens"], **rows)
+
+
+@dataclass
+class RunState:
+    """A pruning run (see the module docstring).
+
+    Attributes:
+        config: the run's settings as JSON (prune.progressive.config_record); a resume must match them.
+        source: the unpruned drafter's folder.
+        timing: the campaign's pass times (Timing).
+        base: the unpruned drafter (BaseRecord).
+        history: the steps taken (StepRecord), in order.
+        stopped_by: the stop rule that ended the run ("layer budget", "retention floor: ...", "one layer left",
+            "predicted speedup stopped improving (...)", or a caller's reason), None while it runs.
+        speed: the measured speed check (SpeedCheck), None until it ran.
+    """
+
+    config: dict
+    source: str
+    timing: Timing
+    base: BaseRecord
+    history: list[StepRecord] = field(default_factory=list)
+    stopped_by: str | None = None
+    speed: SpeedCheck | None = None
+
+    @property
+    def last(self) -> StepRecord | None:
+        """The last step taken (None before the first)."""
+        return self.history[-1] if self.history else None
+
+    @property
+    def layers(self) -> int:
+        """Layers of the drafter the run has reached (the unpruned count before any step)."""
+        return self.history[-1].layers if self.history else self.timing.layers
+
+    def removed_original(self) -> list[int]:
+        """Every removed layer, by its index in the unpruned drafter, in the order removed."""
+        return [i for step in self.history for i in step.removed_original]
+
+    def to_dict(self) -> dict:
+        record = {"config": self.config, "source": self.source, "timing": self.timing.to_dict(),
+                  "base": asdict(self.base), "history": [step.to_dict() for step in self.history],
+                  "stopped_by": self.stopped_by}
+        if self.speed is not None:
+            record["speed"] = self.speed.to_dict()
+        return record
+
+    @classmethod
+    def from_dict(cls, record: dict) -> "RunState":
+        return cls(record["config"], record["source"], Timing.from_dict(record["timing"]), BaseRecord(**record["base"]),
+                   [StepRecord.from_dict(step) for step in record["history"]], record["stopped_by"],
+                   SpeedCheck.from_dict(record["speed"]) if record.get("speed") else None)
+
+
+def state_text(state: RunState) -> str:
+    """The text of OUT/state.json (also what `prune run --json` prints)."""
+    return json.dumps(state.to_dict(), indent=2, sort_keys=True, default=str) + "\n"
+
+
+def save_state(out, state: RunState) -> None:
+    """Write OUT/state.json atomically."""
+    atomic_write_text(Path(out) / STATE_NAME, state_text(state))
+
+
+def load_state(out) -> RunState:
+    """The run saved in OUT/state.json."""
+    return RunState.from_dict(json.loads((Path(out) / STATE_NAME).read_text()))
+
+
+def has_run(out) -> bool:
+    """Whether folder `out` holds a pruning run (its state.json) that --resume continues."""
+    return (Path(out) / STATE_NAME).is_file()
