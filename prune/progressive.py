@@ -153,7 +153,7 @@ def _open_state(run: _Run, resume: bool, timing: Timing | None) -> tuple[RunStat
             raise CheckpointError(f"{out} is not empty: it holds a pruning run; continue it with --resume or "
                                   "choose another --out")
         state = load_state(out)
-        if state.config != config_record(config):
+        if with_defaults(state.config, config_record(RunConfig())) != config_record(config):
             raise ConfigError(f"{out} holds a run with other settings; resume it with the same flags or choose "
                               "another --out")
         compute = next(drafter.parameters())
@@ -271,6 +271,18 @@ def _commit_step(run: _Run, state: RunState, healed, record: StepRecord) -> None
 def config_record(config: RunConfig) -> dict:
     """The settings of a campaign as plain JSON values (as stored in state.json)."""
     return json.loads(json.dumps(asdict(config), default=str))
+
+
+def with_defaults(stored: dict, defaults: dict) -> dict:
+    """`stored` settings (a config_record of an older version) with the settings added since at their
+    defaults, which reproduce what that version did: a run it saved resumes under the same flags."""
+    merged = dict(stored)
+    for key, value in defaults.items():
+        if key not in merged:
+            merged[key] = value
+        elif isinstance(value, dict) and isinstance(merged[key], dict):
+            merged[key] = with_defaults(merged[key], value)
+    return merged
 
 
 def _link_final(out: Path, state: RunState) -> None:

@@ -125,18 +125,18 @@ def test_a_resumed_run_computes_in_the_runs_dtype(campaign, tmp_path, monkeypatc
     config = config_of(decode, heal=HealConfig(steps=0))
 
     def campaign_run(**kwargs):
-        return run_pruning(half, root / "source", prompts, tmp_path / "out", config, target=target,
-                           trajectories=trajectories, log=lambda *_: None, **kwargs)
+        return run_pruning(Campaign(half, root / "source", prompts, target, trajectories), tmp_path / "out", config,
+                           hooks=RunHooks(log=lambda *_: None), **kwargs).to_dict()
 
     with export_interrupted_at(monkeypatch, 2), pytest.raises(KeyboardInterrupt):
         campaign_run()
-    scored, real_score_layers = [], progressive.score_layers
+    scored, real_cached_scores = [], progressive.cached_scores
 
-    def score_layers(model, *args, **kwargs):
+    def cached_scores(cache, model, *args, **kwargs):
         scored.append(next(model.parameters()).dtype)
-        return real_score_layers(model, *args, **kwargs)
+        return real_cached_scores(cache, model, *args, **kwargs)
 
-    monkeypatch.setattr(progressive, "score_layers", score_layers)
+    monkeypatch.setattr(progressive, "cached_scores", cached_scores)
     state = campaign_run(resume=True)
     assert len(state["history"]) == 2 and scored == [torch.bfloat16]  # step 2 scored step-01 as the run computes
 
@@ -156,8 +156,8 @@ def test_a_scoring_round_is_continued_only_on_the_device_and_dtype_it_began_on(c
         run(campaign, tmp_path / "out", config)
     assert list((tmp_path / "out").glob("scoring-*.json"))
     monkeypatch.setattr(scoring, "fault_point", lambda name: None)
-    evaluated, real_evaluate, real_placement = [], scoring.evaluate, progressive.placement
+    evaluated, real_evaluate, real_identity = [], scoring.evaluate, progressive.model_identity
     monkeypatch.setattr(scoring, "evaluate", lambda *a, **k: evaluated.append(1) or real_evaluate(*a, **k))
-    monkeypatch.setattr(progressive, "placement", lambda model: (real_placement(model)[0], "cuda:0"))
+    monkeypatch.setattr(progressive, "model_identity", lambda model: [*real_identity(model)[:2], "cuda:0"])
     run(campaign, tmp_path / "out", config, resume=True)
     assert len(evaluated) == 4  # the base and all three layers again: the journal was another device's

@@ -9,7 +9,7 @@ from _pairs import tiny_campaign
 from models.drafter import load_drafter, save_drafter
 from models.surgery import remove_layers
 from prune.config import HealConfig, RunConfig, ScoreConfig
-from prune.progressive import Campaign, RunHooks, config_record, run_pruning
+from prune.progressive import Campaign, RunHooks, config_record, run_pruning, with_defaults
 from prune.state import RunState, Timing, load_state, state_text
 
 # OUT/state.json of `prune run` as the version before the typed state wrote it, after step 1 of a two-layer
@@ -221,7 +221,9 @@ def test_a_run_resumes_from_a_previous_state(campaign, form, tmp_path):
     document = previous_state(campaign.source_dir)
     if form == "pre-cost-model":
         document["timing"] = PRE_COST_MODEL_TIMING
-    assert document["config"] == config_record(config)  # the state is of this campaign's settings
+    # The state is of this campaign's settings; the ones added since it was written read at their defaults.
+    assert document["config"] != config_record(config)
+    assert with_defaults(document["config"], config_record(RunConfig())) == config_record(config)
     out.mkdir()
     (out / "state.json").write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
     save_drafter(remove_layers(campaign.drafter, [1]), out / "step-01")  # the step the state records

@@ -387,24 +387,27 @@ def test_a_trials_measurement_loads_its_final_drafter_in_the_runs_dtype(sweep_da
     import copy
     from dataclasses import replace
 
-    import prune.scoring
     import sweeps.objective
     import torch
+
+    from prune.state import BaseRecord, RunState, StepRecord, Timing
 
     half = copy.deepcopy(sweep_data.drafter).to(torch.bfloat16)
     objective = PruningObjective(sweep_config(tmp_path), SearchSpace.from_text(SPACE),
                                  replace(sweep_data, drafter=half), log=lambda *_: None)
     save_drafter(half, tmp_path / "step-01")
-    evaluated, real_evaluate = [], prune.scoring.evaluate
+    evaluated, real_evaluate = [], sweeps.objective.evaluate
 
     def evaluate(model, *args, **kwargs):
         evaluated.append(next(model.parameters()).dtype)
         return real_evaluate(model, *args, **kwargs)
 
-    monkeypatch.setattr(prune.scoring, "evaluate", evaluate)
+    monkeypatch.setattr(sweeps.objective, "evaluate", evaluate)
     monkeypatch.setattr(sweeps.objective, "exported_checkpoint", lambda out, folder: str(out / folder))
-    state = {"timing": {"layers": 3, "draft": [1.0, 0.5], "packed": [2.0, 0.75], "target": None},
-             "history": [{"folder": "step-01", "layers": 3, "tau": 2.0, "retention": 1.0}],
-             "base": {"tau": 2.0}, "stopped_by": "layer budget"}
+    step = StepRecord(step=1, folder="step-01", removed=[0], removed_original=[0], layers=3, tau_before_heal=2.0,
+                      tau=2.0, retention=1.0, heal_rolled_back=False, predicted_speedup=None, heal_loss=[], scores=[])
+    state = RunState({}, "source", Timing.from_dict({"layers": 3, "draft": [1.0, 0.5], "packed": [2.0, 0.75],
+                                                     "target": None}),
+                     BaseRecord(2.0, None, None), [step], "layer budget")
     metrics = objective.measure(state, tmp_path)
     assert evaluated == [torch.bfloat16, torch.bfloat16] and metrics["eval_tau"] > 1  # base, then step-01
