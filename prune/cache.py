@@ -69,9 +69,8 @@ def model_identity(model: torch.nn.Module) -> list[str]:
 def trajectory_key(target, prompts: list[list[int]], decode) -> str:
     """The key of recorded target trajectories: the target's weights, dtype and device, the prompts and the
     stop rule (decode: a decode.config.DecodeConfig)."""
-    weight = next(target.parameters())
-    return fingerprint("trajectories", target, str(weight.dtype), str(weight.device), prompts,
-                       decode.max_new_tokens, sorted(decode.stop_ids))
+    return fingerprint("trajectories", *model_identity(target), prompts, decode.max_new_tokens,
+                       sorted(decode.stop_ids))
 
 
 def pass_times_key(drafter, target, decode) -> str:

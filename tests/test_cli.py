@@ -296,6 +296,7 @@ def test_every_cache_key_holds_the_device_and_the_dtype(pair_dirs, capsys, tmp_p
     (near-tie argmaxes and pass times differ across them): the same command with the models placed
     elsewhere computes all three again."""
     import decode.timing
+    import prune.cache
     import prune.scoring
 
     args = ["score", "--drafter", str(pair_dirs / "drafter"), "--target", str(pair_dirs / "target"),
@@ -311,10 +312,10 @@ def test_every_cache_key_holds_the_device_and_the_dtype(pair_dirs, capsys, tmp_p
                          (decode.timing, "measure_pass_times")):
         monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
     assert main(args) == 0 and calls == []  # all three cached
-    placement = prune.scoring.placement
-    elsewhere = {"device": lambda model: (placement(model)[0], "cuda:0"),
-                 "dtype": lambda model: ("torch.bfloat16", placement(model)[1])}[moved]
-    monkeypatch.setattr(prune.scoring, "placement", elsewhere)
+    identity = prune.cache.model_identity
+    elsewhere = {"device": lambda model: [*identity(model)[:2], "cuda:0"],
+                 "dtype": lambda model: [identity(model)[0], "torch.bfloat16", identity(model)[2]]}[moved]
+    monkeypatch.setattr(prune.cache, "model_identity", elsewhere)
     assert main(args) == 0
     assert sorted(set(calls)) == ["measure_pass_times", "record_trajectories", "score_layers"]
     capsys.readouterr()
