@@ -12,6 +12,7 @@ for the drafter's stream (decode.worker.draft_stream), so a pass on either strea
 timed from the moment the device could start it to the moment its last kernel finished.
 """
 
+import functools
 import statistics
 import time
 
@@ -43,14 +44,18 @@ def elapsed_ms(run, device: torch.device) -> float:
     return begin.elapsed_time(end)
 
 
-def _interleaved_ms(runs: dict, repeats: int, device: torch.device = torch.device("cpu")) -> dict:
+def _interleaved_ms(runs: dict, repeats: int, device: torch.device = torch.device("cpu"),
+                    before: dict | None = None) -> dict:
     """Median time (ms, `elapsed_ms` on `device`) of each of `runs` (name -> callable), sampled in turn,
     `repeats` rounds after one untimed warm-up round. A moment of load on a shared machine then slows every
     measurement alike, so the ratios the cost model lives on survive it (measured one after another, a
-    noisy moment inflated one pass time by 20 % and moved the predicted speedup as much)."""
+    noisy moment inflated one pass time by 20 % and moved the predicted speedup as much). `before`: name ->
+    an untimed callable run right before that run's every sample."""
     samples: dict = {name: [] for name in runs}
     for round_index in range(repeats + 1):
         for name, run in runs.items():
+            if before and name in before:
+                before[name]()
             ms = elapsed_ms(run, device)
             if round_index:
                 samples[name].append(ms)
@@ -128,7 +133,9 @@ def measure_pass_times(target, drafter, config: DecodeConfig, repeats: int = 7, 
     runs = {w: (lambda w=w: target_probe.run(w)) for w in widths}
     runs.update(draft=lambda: drafter_probe.run(drafter_probe.draft),
                 packed=lambda: drafter_probe.run(drafter_probe.packed), together=together)
-    ms = _interleaved_ms(runs, repeats, device)
+    # A drafter pass in decoding follows a verify pass, which has pushed the drafter out of the caches.
+    verify = functools.partial(target_probe.run, width)
+    ms = _interleaved_ms(runs, repeats, device, before={"draft": verify, "packed": verify})
     ar_ms = ms[1]
     rest = [w for w in widths if w > 1]
     slope = sum((ms[w] - ar_ms) * (w - 1) for w in rest) / sum((w - 1) ** 2 for w in rest)
@@ -138,16 +145,33 @@ def measure_pass_times(target, drafter, config: DecodeConfig, repeats: int = 7, 
                      drafter_probe.draft_tokens, drafter_probe.packed_tokens)
 
 
-def drafter_layer_costs(drafter, packed_budget: int, repeats: int = 5,
-                        full: tuple[float, float] | None = None) -> tuple[LayerCost, LayerCost]:
+def drafter_layer_costs(drafter, packed_budget: int, repeats: int = 5, full: tuple[float, float] | None = None,
+                        target=None, context: int = 64) -> tuple[LayerCost, LayerCost]:
     """(sync draft, packed) pass time as affine functions of depth, fitted on `drafter` and on a copy
-    without its second half of layers (decode.cost.LayerCost). `full`: `drafter`'s own pass times when
-    already measured (measure_pass_times has them)."""
+    without its second half of layers (decode.cost.LayerCost).
+
+    With `target`, both depths are timed in one interleaved measurement, each pass right after an untimed
+    verify pass of width B/2 as in decoding (measure_pass_times does the same): a small drafter timed
+    alone stays in the caches and looked cheaper than it decodes, so pruned drafters were predicted too
+    fast (1.28x predicted, 1.04x measured at 8 of 36 layers removed). Without a target, `full` (the
+    drafter's own pass times when already measured) or a measurement of the full depth alone is used.
+    """
     layers = drafter.config.num_hidden_layers
-    full = full or drafter_pass_ms(drafter, packed_budget, repeats)
     if layers < 2:
+        full = full or drafter_pass_ms(drafter, packed_budget, repeats, context)
         return LayerCost(0.0, full[0] / layers), LayerCost(0.0, full[1] / layers)
     half = remove_layers(drafter, list(range(layers // 2, layers)))
-    shallow = drafter_pass_ms(half, packed_budget, repeats)
     depth = half.config.num_hidden_layers
+    if target is None:
+        full = full or drafter_pass_ms(drafter, packed_budget, repeats, context)
+        shallow = drafter_pass_ms(half, packed_budget, repeats, context)
+    else:
+        probes = {"full": _DrafterProbe(drafter, packed_budget, context), "half": _DrafterProbe(half, packed_budget, context)}
+        runs = {(depth_name, kind): functools.partial(probe.run, getattr(probe, kind))
+                for depth_name, probe in probes.items() for kind in ("draft", "packed")}
+        target_probe = _TargetProbe(target, context)
+        verify = functools.partial(target_probe.run, max(2, drafter.config.block_size // 2))
+        ms = _interleaved_ms(runs, repeats, probes["full"].engine.device, before={name: verify for name in runs})
+        full = (ms[("full", "draft")], ms[("full", "packed")])
+        shallow = (ms[("half", "draft")], ms[("half", "packed")])
     return (LayerCost.fit(layers, full[0], depth, shallow[0]), LayerCost.fit(layers, full[1], depth, shallow[1]))

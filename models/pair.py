@@ -67,10 +67,13 @@ def _with_drafter(target, drafter_dir, tokenizer, drafter_tokenizer, dtype, devi
     return Pair(drafter, target, tokenizer or drafter_tokenizer, stop_ids_of(target, tokenizer), max_positions)
 
 
-def stop_ids_of(target: torch.nn.Module, tokenizer=None) -> tuple[int, ...]:
-    """EOS ids from the target's generation config, its config, or its tokenizer (in that order)."""
-    for source in (getattr(target, "generation_config", None), target.config, tokenizer):
+def stop_ids_of(target: torch.nn.Module | None = None, tokenizer=None) -> tuple[int, ...]:
+    """The ids that end a sequence: every EOS id that the target's generation config, its config or the
+    tokenizer names (sorted, distinct). The one stop rule of decoding, distillation and training."""
+    ids = set()
+    sources = (getattr(target, "generation_config", None), getattr(target, "config", None), tokenizer)
+    for source in sources:
         eos = getattr(source, "eos_token_id", None) if source is not None else None
         if eos is not None:
-            return tuple(sorted(set(eos if isinstance(eos, (list, tuple)) else [eos])))
-    return ()
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return tuple(sorted(ids))

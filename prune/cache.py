@@ -78,7 +78,7 @@ def pass_times_key(drafter, target, decode) -> str:
     decoder settings that shape the passes and the machine (its GPU's name where the target is on one)."""
     device = next(target.parameters()).device
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    return fingerprint("pass-times v2", *model_identity(drafter), *model_identity(target), torch.get_num_threads(),
+    return fingerprint("pass-times v3", *model_identity(drafter), *model_identity(target), torch.get_num_threads(),
                        decode.packed_budget, decode.draft_threads, decode.block_size, platform.machine(),
                        platform.processor(), gpu, torch.__version__)
 
@@ -86,7 +86,7 @@ def pass_times_key(drafter, target, decode) -> str:
 def timing_key(drafter, target, decode, repeats: int, times: dict | None) -> str:
     """The key of a campaign's timing (prune.state.Timing) of `drafter` with `target`: the pass-times key,
     the timed repeats and the pair's pass times it starts from (`times`: a PassTimes as a dict, or None)."""
-    return fingerprint("campaign-timing v1", pass_times_key(drafter, target, decode), repeats, times)
+    return fingerprint("campaign-timing v2", pass_times_key(drafter, target, decode), repeats, times)
 
 
 def score_key(drafter, target, prompts: list[list[int]], config, timing: dict) -> str:

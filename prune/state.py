@@ -96,7 +96,7 @@ def measure_timing(drafter, score: ScoreConfig, target=None, times: PassTimes | 
     if times is None and target is not None:
         times = measure_pass_times(target, drafter, score.decode, score.timing_repeats)
     full = (times.draft_ms, times.packed_ms) if times is not None else None
-    draft, packed = drafter_layer_costs(drafter, score.decode.packed_budget, score.timing_repeats, full)
+    draft, packed = drafter_layer_costs(drafter, score.decode.packed_budget, score.timing_repeats, full, target)
     return Timing(drafter.config.num_hidden_layers, draft, packed, times)
 
 

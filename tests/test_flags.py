@@ -36,7 +36,7 @@ CASES = [
     ("bench", ["--prompts", "{binary}"], 2, "is not UTF-8 text"),
     ("bench", ["--prompts", "{tmp}"], 2, "is a folder; give a file"),
     ("bench", ["--prompts", "{tmp}/missing.jsonl"], 2, "does not exist"),
-    ("bench", ["--suite", "humaneval:train"], 2, "unknown part 'train'"),
+    ("bench", ["--suite", "humaneval:test"], 2, "unknown part 'test'"),
     ("bench", ["--suite", "humaneval", "--prompts", "{prompts}"], 2, "not allowed with argument"),
     ("bench", ["--decoder", "fast"], 2, "unknown decoder"),
     ("bench", ["--dtype", "float8"], 2, "invalid choice"),

@@ -195,3 +195,20 @@ def test_candidate_policy_skips_packed_passes_and_the_cost_model_sees_it():
     assert summary["packed_share"] == 0.0 and summary["hit_rate"] == 0.0
     everything = decode_speculative("async", drafter, [LiveVerifier(target)], [prompt], DecodeConfig(max_new_tokens=41))
     assert summarize(everything, drafter.config.block_size)["packed_share"] > 0.5
+
+
+@torch.inference_mode()
+def test_stacked_products_are_rebuilt_when_a_weight_changes():
+    """The drafter's stacked q/k/v and gate/up copies follow in-place weight changes (a heal's merge writes
+    through `.data`): a decoder built after the change computes with the new weights, as transformers does."""
+    model = build_tiny_drafter(block_size=4)
+    ids, positions = torch.tensor([prompt_ids(7, seed=2)]), torch.arange(7)[None]
+    lean = LeanDecoder(model)
+    assert all(w.w_qkv is not None and w.w_gate_up is not None for w in lean.layers)
+    before = lean.forward(ids, positions, None, lean.new_cache(1))
+    model.model.layers[0].self_attn.k_proj.weight.data.mul_(3.0)
+    model.model.layers[1].mlp.up_proj.weight.data.add_(0.5)
+    after = LeanDecoder(model).forward(ids, positions, None, LeanDecoder(model).new_cache(1))
+    want = model.model(input_ids=ids, position_ids=positions).last_hidden_state
+    torch.testing.assert_close(after, want, atol=1e-5, rtol=1e-5)
+    assert (after - before).abs().max() > 1e-3

@@ -18,6 +18,8 @@ import json
 import os
 from pathlib import Path
 
+from decode.prompts import read_jsonl
+
 from .prompts import STYLES, select_training_prompts
 
 MANIFEST = "manifest.json"
@@ -107,10 +109,9 @@ def _check_manifest(out_dir: Path, settings: dict) -> None:
     """Refuse a folder whose manifest records other settings (a restart must finish the same data)."""
     from models.errors import CheckpointError
 
-    manifest = out_dir / MANIFEST
-    if not manifest.is_file():
+    old = read_manifest(out_dir)
+    if not old:
         return
-    old = json.loads(manifest.read_text())
     changed = sorted(k for k in settings if old.get(k, "general" if k == "style" else None) != settings[k])
     if changed:
         raise CheckpointError(f"{out_dir} holds distillation data made with other settings ({', '.join(changed)});"
@@ -121,6 +122,7 @@ def _answer_shards(target_dir: Path, out_dir: Path, shards: list[list[dict]], to
                    max_new_tokens: int, batch_size: int, progress: bool) -> None:
     """Answer the prompt records of every shard not yet on disk with the target and write each shard file."""
     from models.checkpoint import atomic_write_text
+    from models.pair import stop_ids_of
     from models.target import load_target
     from prune.progress import progress_bar
 
@@ -128,7 +130,7 @@ def _answer_shards(target_dir: Path, out_dir: Path, shards: list[list[dict]], to
     if not todo:
         return
     model = load_target(target_dir, dtype=dtype, device=device)
-    eos = _eos_ids(model, tokenizer)
+    eos = list(stop_ids_of(model, tokenizer))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     done = sum(len(shards[n]) for n in range(len(shards)) if n not in todo)
     with progress_bar("distill", sum(map(len, shards)), progress) as advance:
@@ -143,14 +145,6 @@ def _answer_shards(target_dir: Path, out_dir: Path, shards: list[list[dict]], to
                     row["response_ids"], row["stopped"] = ids, stopped
                 advance(len(rows))
             atomic_write_text(out_dir / f"shard-{n:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in shard))
-
-
-def _eos_ids(model, tokenizer) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-        eos.append(tokenizer.eos_token_id)
-    return eos
 
 
 def _generate(model, prompts: list[list[int]], max_new_tokens: int, eos: list[int], pad_id: int, device):
@@ -184,9 +178,9 @@ def load_distillation_data(folder: str | os.PathLike, partial: bool = False) -> 
     from models.errors import DataError
 
     folder = Path(folder)
-    if not (folder / MANIFEST).is_file():
+    manifest = read_manifest(folder)
+    if not manifest:
         raise DataError(f"{folder} has no {MANIFEST}; generate distillation data there first")
-    manifest = json.loads((folder / MANIFEST).read_text())
     records = []
     for n in range(manifest["shards"]):
         shard = folder / f"shard-{n:05d}.jsonl"
@@ -194,7 +188,7 @@ def load_distillation_data(folder: str | os.PathLike, partial: bool = False) -> 
             if partial and records:
                 break
             raise DataError(f"{folder} is incomplete ({shard.name} is missing); rerun the generation to finish it")
-        records += [json.loads(line) for line in shard.read_text().splitlines() if line.strip()]
+        records += [record for _, record in read_jsonl(shard)]
     return records
 
 

@@ -335,10 +335,11 @@ def _train_and_save(args: argparse.Namespace, out: Path, checkpoint_dir: Path, d
     )
     start = time.perf_counter()
     if eval_fn is None and args.eval_tau:
+        from models.pair import stop_ids_of
         from models.target import load_tokenizer
 
-        eos = load_tokenizer(tokenizer_dir).eos_token_id
-        eval_fn = replay_tau(heldout, args.eval_tau, manifests[0]["max_new_tokens"], (eos,))
+        stop_ids = stop_ids_of(tokenizer=load_tokenizer(tokenizer_dir))
+        eval_fn = replay_tau(heldout, args.eval_tau, manifests[0]["max_new_tokens"], stop_ids)
     callback = heldout_callback(heldout, config, eval_fn)
     best = None
     if args.keep_best:
