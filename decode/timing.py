@@ -153,8 +153,9 @@ def drafter_layer_costs(drafter, packed_budget: int, repeats: int = 5, full: tup
     With `target`, both depths are timed in one interleaved measurement, each pass right after an untimed
     verify pass of width B/2 as in decoding (measure_pass_times does the same): a small drafter timed
     alone stays in the caches and looked cheaper than it decodes, so pruned drafters were predicted too
-    fast (1.28x predicted, 1.04x measured at 8 of 36 layers removed). Without a target, `full` (the
-    drafter's own pass times when already measured) or a measurement of the full depth alone is used.
+    fast (1.28x predicted, 1.04x measured at 8 of 36 layers removed). `full`: the drafter's own pass times
+    when already measured (measure_pass_times); the fit then passes through them. Without a target the
+    half-depth copy is timed alone.
     """
     layers = drafter.config.num_hidden_layers
     if layers < 2:
@@ -172,6 +173,13 @@ def drafter_layer_costs(drafter, packed_budget: int, repeats: int = 5, full: tup
         target_probe = _TargetProbe(target, context)
         verify = functools.partial(target_probe.run, max(2, drafter.config.block_size // 2))
         ms = _interleaved_ms(runs, repeats, probes["full"].engine.device, before={name: verify for name in runs})
-        full = (ms[("full", "draft")], ms[("full", "packed")])
+        measured = (ms[("full", "draft")], ms[("full", "packed")])
         shallow = (ms[("half", "draft")], ms[("half", "packed")])
+        if full is not None:
+            # The depth dependence from this measurement (both depths under the same conditions), the level
+            # from the pair's own pass times, so the fit meets them at full depth: a separate measurement of
+            # the full drafter here read 36 ms where the pair's read 46 ms, and every prediction moved with it.
+            shallow = tuple(f * s / m for f, s, m in zip(full, shallow, measured))
+        else:
+            full = measured
     return (LayerCost.fit(layers, full[0], depth, shallow[0]), LayerCost.fit(layers, full[1], depth, shallow[1]))

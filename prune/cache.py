@@ -86,7 +86,7 @@ def pass_times_key(drafter, target, decode) -> str:
 def timing_key(drafter, target, decode, repeats: int, times: dict | None) -> str:
     """The key of a campaign's timing (prune.state.Timing) of `drafter` with `target`: the pass-times key,
     the timed repeats and the pair's pass times it starts from (`times`: a PassTimes as a dict, or None)."""
-    return fingerprint("campaign-timing v2", pass_times_key(drafter, target, decode), repeats, times)
+    return fingerprint("campaign-timing v3", pass_times_key(drafter, target, decode), repeats, times)
 
 
 def score_key(drafter, target, prompts: list[list[int]], config, timing: dict) -> str:

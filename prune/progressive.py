@@ -234,7 +234,8 @@ def _heal(run: _Run, reduced, before: Evaluation, step: int):
     examples = run.campaign.heal_examples
     if not (examples and run.config.heal.steps > 0):
         return reduced, before, [], False
-    candidate, losses = heal(reduced, examples, run.config.heal)
+    # The teacher of a distilling heal is the unpruned drafter: what every step tries to stay close to.
+    candidate, losses = heal(reduced, examples, run.config.heal, teacher=run.campaign.drafter)
     candidate = round_to_dtype(candidate, run.dtype)  # judge the heal by the weights that are exported
     after = run.evaluate(candidate)
     if after.tau >= before.tau:

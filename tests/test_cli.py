@@ -555,3 +555,19 @@ def test_progress_off_a_terminal_is_a_plain_line_per_interval(capsys):
     with progress_bar("score", 3, enabled=False, log_every_s=0) as advance:
         advance()
     assert capsys.readouterr().err == ""
+
+
+def test_pass_times_measured_on_a_busy_machine_come_with_a_warning(monkeypatch):
+    import os
+
+    from prune.commands._common import warn_if_busy
+
+    lines = []
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.5, 1.0, 1.0))
+    assert not warn_if_busy("/c", lines.append) and lines == []
+    monkeypatch.setattr(os, "getloadavg", lambda: (4.2, 3.0, 2.0))
+    assert warn_if_busy("/c", lines.append)
+    assert lines == ["warning: the machine is busy (load average 4.2 on 2 cores): these pass times will be slow and "
+                     "uneven, and they are kept in /c/pass-times; measure on a quiet machine, or delete that folder "
+                     "afterwards"]

@@ -119,6 +119,7 @@ def decode_config(args, pair, drafter=None, log=None, target_times=None, **field
 
     def measure():
         (log or _stderr)("measuring the pair's pass times for the cost model (once; cached) ...")
+        warn_if_busy(cache, log or _stderr)
         measured = measure_pass_times(pair.target, drafter, config)
         if target_times is None:
             return measured.to_dict()
@@ -132,6 +133,22 @@ def decode_config(args, pair, drafter=None, log=None, target_times=None, **field
     times = PassTimes(**cached_json(cache and cache / "pass-times", key, measure))
     adaptive_candidates = getattr(args, "candidates", "adaptive") == "adaptive"
     return config.tuned_to(times, width=args.width == "adaptive", candidates=adaptive_candidates), times
+
+
+def warn_if_busy(cache, log) -> bool:
+    """Warn when other work kept the machine's cores busy just before pass times are measured: they are
+    cached and steer every later decision (widths, candidates, predictions) until deleted. Returns True
+    when it warned. (Seen here: pass times cached under a training job's load later made a quiet
+    benchmark draft a packed pass every round and predict 1.30x where it ran 1.01x.)"""
+    import os
+
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load <= cores:
+        return False
+    where = f"{cache}/pass-times" if cache else "nowhere (--no-cache)"
+    log(f"warning: the machine is busy (load average {load:.1f} on {cores} cores): these pass times will be slow "
+        f"and uneven, and they are kept in {where}; measure on a quiet machine, or delete that folder afterwards")
+    return True
 
 
 def cache_dir(args):

@@ -48,6 +48,7 @@ non_negative_int = _bounded(int, "an integer >= 0", low=0)
 positive_float = _bounded(float, "a number > 0", low=0, low_open=True)
 non_negative_float = _bounded(float, "a number >= 0", low=0)
 positive_fraction = _bounded(float, "a fraction in (0, 1]", low=0, high=1, low_open=True)
+fraction = _bounded(float, "a fraction in [0, 1]", low=0, high=1)
 
 
 def block_size(text: str) -> int:

@@ -74,6 +74,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--lora-alpha", type=_types.positive_int, default=HEAL["alpha"],
                         help="LoRA alpha (scale = alpha / rank)")
     parser.add_argument("--heal-lr", type=_types.positive_float, default=HEAL["lr"], help="LoRA learning rate")
+    parser.add_argument("--heal-distill", type=_types.fraction, default=HEAL["distill_weight"], metavar="W",
+                        help="share of the heal loss that matches the unpruned drafter's predictions (KL) instead of "
+                        "the target's tokens (0: the target's tokens only)")
     parser.add_argument("--seed", type=_types.non_negative_int, default=SCORE["seed"],
                         help="seeds healing and the bootstrap")
     add_export_dtype_arg(parser)
@@ -146,7 +149,7 @@ def run_config(args, decode, healing: bool) -> RunConfig:
         stop_on_speedup=not args.no_speedup_stop,
         score=ScoreConfig(criterion=args.criterion, verify=args.verify, decode=decode, seed=args.seed),
         heal=HealConfig(steps=args.heal_steps if healing else 0, rank=args.lora_rank, alpha=args.lora_alpha,
-                        lr=args.heal_lr, seed=args.seed),
+                        lr=args.heal_lr, distill_weight=args.heal_distill, seed=args.seed),
     )
 
 

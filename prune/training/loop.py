@@ -159,8 +159,8 @@ def train(
         callback: `callback(step, model) -> dict | None`, called in eval mode under `no_grad` every
             `config.eval_every` steps and after the last; a returned dict is merged into that step's record.
         device: where to train (default: where the model is); the model is moved there.
-        teacher: a drafter whose predictions the loss also matches (`config.distill_weight`); moved to
-            `device` and kept frozen.
+        teacher: a drafter (in eval mode) whose predictions the loss also matches (`config.distill_weight`);
+            moved to `device`, never trained.
 
     Returns:
         One dict per optimizer update: step (1-based), lr, loss, diff, ar, grad_norm, accept_proxy,
@@ -180,7 +180,7 @@ def train(
         step, history = _load_checkpoint(folder, config, optim.params, optim.optimizer, optim.scheduler,
                                          batches.sampler, batches.anchors)
     if teacher is not None:
-        teacher.to(device).eval().requires_grad_(False)
+        teacher.to(device)  # read under no_grad only (prune.training.loss), so it is neither trained nor changed
     model.train()
     call_start = time.perf_counter()
     with _progress_bar(config.progress, config.steps, step) as advance, ThreadPoolExecutor(1) as worker:
