@@ -50,7 +50,7 @@ from .verifiers import ReplayVerifier
 
 DRAFTED = registry.names(SPECULATIVE)  # the rows run once per drafter
 # Summary fields that are per-prompt times: a lockstep batch has only the batch's, recorded ar outputs none.
-UNTIMED = ("tokens_per_s", "time_per_token_ms", "decode_s", "prefill_s", "time_split_ms",
+UNTIMED = ("tokens_per_s", "time_per_token_ms", "round_ms", "decode_s", "prefill_s", "time_split_ms",
            "packed_hidden_fraction")
 AR = (None, "ar")  # the row key of the shared baseline: (drafter name or None, decoder)
 
@@ -235,15 +235,17 @@ def _summary(results: list[DecodeResult], ar: list[DecodeResult], ar_summary: di
 
 
 def _predictions(decoder: str, times: cost.PassTimes, summary: dict, concurrent: bool) -> dict:
-    """The cost model's speedup for a row at its measured tau (pooled over rounds), mean verify width and
-    fallback rate, and the physical limit at that tau and width."""
+    """The cost model's speedup and round time for a row at its measured tau (pooled over rounds), mean verify
+    width and fallback rate, and the physical limit at that tau and width. Beside the measured `round_ms`,
+    `predicted_round_ms` shows where a prediction misses: in the round, or in the ar step it is divided by."""
     tau, width = summary.get("tau_micro"), summary.get("verify_width_mean")
     if tau is None or width is None:
-        return {"predicted_speedup": None, "speedup_limit": None}
+        return {"predicted_speedup": None, "predicted_round_ms": None, "speedup_limit": None}
     fallback = summary.get("fallback_rate") or 0.0
     share = summary.get("packed_share")
     shape = {} if share is None else {"packed_share": share, "packed_tokens": summary.get("packed_pass_tokens_mean")}
     return {"predicted_speedup": cost.predicted_speedup(decoder, times, tau, width, fallback, concurrent, **shape),
+            "predicted_round_ms": cost.round_ms(decoder, times, width, fallback, concurrent, **shape),
             "speedup_limit": cost.speedup_limit(times, tau, width)}
 
 

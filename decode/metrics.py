@@ -31,6 +31,8 @@ def summarize(results: list[DecodeResult], block_size: int | None) -> dict:
         "tau_per_prompt": per_prompt,
         "tokens_per_s": tokens / decode_s if decode_s > 0 else None,
         "time_per_token_ms": 1000 * decode_s / tokens if tokens else None,
+        # Wall time of one round (ar: one step), the unit the cost model predicts (decode/cost.py round_ms).
+        "round_ms": 1000 * decode_s / len(rounds) if rounds and decode_s > 0 else None,
         "decode_s": decode_s,
         "prefill_s": sum(r.prefill_s for r in results),
         "verify_width_mean": mean(rnd.width for rnd in rounds) if rounds else None,

@@ -1,8 +1,10 @@
 """The demo drafter's record of training prompts (models/provenance.py), made once from its data.
 
-The three folders in data/ are read as its stages read them (`--partial-data`); the two folders of suite
+The four folders in data/ are read as its stages read them (`--partial-data`); the two folders of suite
 material are not in the repository, but their prompts are a pure function of the prompt style (the suites'
-`train` parts, and CHAMP's formats around the `train` problems), so they are drawn again here.
+`train` parts, and CHAMP's formats around the `train` problems), so they are drawn again here. The sets come
+in the order stage 6 wrote them (`prune train-drafter` lists the sets it inherits from `--init-from` first),
+so the file made here is the shipped one byte for byte.
 
     python -c "from scripts.record_demo_prompts import main; main()"
 """
@@ -14,14 +16,14 @@ from models.provenance import FILE, prompt_set, summary, training_prompts_text
 from prune.training.data import training_prompt_set
 from prune.training.prompts import collect_training_prompts
 
-DATA = ("data/demo-distill", "data/demo-distill-suites", "data/demo-distill-suites2")
+DATA = ("data/demo-distill", "data/demo-distill-suites", "data/demo-distill-suites2", "data/demo-distill-everyday")
 STYLES = (("demo-distill-calib", "train", 257), ("demo-distill-champ", "champ", 921))
 
 
 def main() -> None:
-    sets = [training_prompt_set(folder, partial=True) for folder in DATA]
-    sets += [prompt_set(name, [p["prompt"] for p in collect_training_prompts(count, style=style)])
-             for name, style, count in STYLES]
+    sets = [prompt_set(name, [p["prompt"] for p in collect_training_prompts(count, style=style)])
+            for name, style, count in STYLES]
+    sets += [training_prompt_set(folder, partial=True) for folder in DATA]
     (DEMO_DRAFTER_DIR / FILE).write_text(training_prompts_text(sets))
     config_file = DEMO_DRAFTER_DIR / "config.json"
     config = json.loads(config_file.read_text())

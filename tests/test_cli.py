@@ -50,6 +50,10 @@ def test_bench_json_report(pair_dirs, capsys, tmp_path):
         for key in ("tau_macro", "tau_micro", "tokens_per_s", "time_per_token_ms", "speedup_vs_ar",
                     "acceptance_histogram", "per_position_acceptance"):
             assert key in entry
+        # the measured round and the modelled one, in the units the prediction is made of
+        assert entry["round_ms"] == pytest.approx(1000 * entry["decode_s"] / entry["rounds"])
+        ar_ms = next(iter(report["settings"]["pass_times"].values()))["ar_ms"]
+        assert entry["predicted_speedup"] == pytest.approx(ar_ms * entry["tau_micro"] / entry["predicted_round_ms"])
     for name in ("pld", "generate"):  # transformers' greedy generate() agrees with our ar in float32
         entry = report["decoders"][name]
         assert entry["exact_match_vs_ar"] is True and entry["tau_macro"] is None

@@ -254,9 +254,9 @@ def idle_layer_split(model: torch.nn.Module, count: int) -> tuple[list[int], lis
     for `models.surgery.split_layers`.
 
     A layer that began as an identity (o_proj and down_proj zero) and barely moved in training has small
-    output projections: its size is ||o_proj||_F + ||down_proj||_F (the demo drafter's layers 30-35: 23,
-    against 84-112 for the others). The layers to split are spread evenly over the rest, so depth is added
-    everywhere rather than in one place.
+    output projections: its size is ||o_proj||_F + ||down_proj||_F (the demo drafter's layers 30-35 after
+    its stage 5: 23, against 84-112 for the others). The layers to split are spread evenly over the rest, so
+    depth is added everywhere rather than in one place.
     """
     layers = model.model.layers
     if not 0 < count < len(layers) / 2:
