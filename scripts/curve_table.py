@@ -41,8 +41,8 @@ def preheal(runs: list[Path]) -> None:
 
 
 def drafters(runs: list[Path]) -> list[str]:
-    steps, at5 = runs
-    folders = [str(steps / s["folder"]) for s in _steps(steps)[:-1]]  # the last one is steps/final
+    steps = runs[0]  # the per-step run; its last step is steps/final, measured on every suite already
+    folders = [str(steps / s["folder"]) for s in _steps(steps)[:-1]]
     for run in runs:
         folders += [str(run / f"preheal-{s['step']:02d}") for s in _steps(run) if not s["heal_rolled_back"]]
     return folders
