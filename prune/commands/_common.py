@@ -140,8 +140,6 @@ def warn_if_busy(cache, log) -> bool:
     cached and steer every later decision (widths, candidates, predictions) until deleted. Returns True
     when it warned. (Seen here: pass times cached under a training job's load later made a quiet
     benchmark draft a packed pass every round and predict 1.30x where it ran 1.01x.)"""
-    import os
-
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if load <= cores:
         return False
