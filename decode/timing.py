@@ -109,40 +109,55 @@ def drafter_pass_ms(drafter, packed_budget: int, repeats: int = 7, context: int 
 
 
 def measure_pass_times(target, drafter, config: DecodeConfig, repeats: int = 7, context: int = 64) -> PassTimes:
-    """Everything the cost model needs for this pair on this device (`repeats` + 1 passes of each kind,
-    all kinds interleaved).
+    """Everything the cost model needs for this pair on this device (`measure_drafters` with one drafter)."""
+    return measure_drafters(target, [drafter], config, repeats, context)[0]
 
-    The verify slope is a least-squares fit over widths 1, B/4, B/2 and B (B the drafter's block size);
-    contention comes from a verify pass of width B/2 and the packed pass run concurrently, as the async
-    decoder runs them (packed pass on the worker thread, cores split by `config.draft_threads`).
+
+def measure_drafters(target, drafters, config: DecodeConfig, repeats: int = 7, context: int = 64) -> list[PassTimes]:
+    """The pass times of `target` with each of `drafters` (same block size), all measured in one
+    interleaved measurement (`repeats` + 1 passes of each kind): the target's passes once, shared by every
+    drafter, and each drafter's draft, packed and concurrent passes in turn with the others'. Drafters
+    compared in one benchmark are then measured under the same load: measured one after the other, two
+    measurements of the same drafter on this 2-core machine read 46 and 55 ms for the same step (21
+    repeats each), more than the gap between drafters a few layers apart.
+
+    The verify slope is a least-squares fit over widths 1, B/4, B/2 and B (B the block size); contention
+    comes from a verify pass of width B/2 and the packed pass run concurrently, as the async decoder runs
+    them (packed pass on the worker thread, cores split by `config.draft_threads`).
     """
-    block = config.verify_block(drafter.config.block_size)
+    block = config.verify_block(drafters[0].config.block_size)
     widths = sorted({1, max(2, block // 4), max(2, block // 2), block})
     width = max(2, block // 2)
     target_probe = _TargetProbe(target, context)
-    drafter_probe = _DrafterProbe(drafter, config.packed_budget, context)
-    device = next(drafter.parameters()).device
+    probes = [_DrafterProbe(drafter, config.packed_budget, context) for drafter in drafters]
+    device = next(drafters[0].parameters()).device
 
-    def together():
+    def together(probe):
         with thread_split(device, config.draft_threads):
-            drafter_probe.engine.mark_ready()
-            future = draft_worker().submit(drafter_probe.run, drafter_probe.packed)
+            probe.engine.mark_ready()
+            future = draft_worker().submit(probe.run, probe.packed)
             target_probe.run(width)
             future.result()
 
     runs = {w: (lambda w=w: target_probe.run(w)) for w in widths}
-    runs.update(draft=lambda: drafter_probe.run(drafter_probe.draft),
-                packed=lambda: drafter_probe.run(drafter_probe.packed), together=together)
+    for index, probe in enumerate(probes):
+        runs.update({(index, "draft"): functools.partial(probe.run, probe.draft),
+                     (index, "packed"): functools.partial(probe.run, probe.packed),
+                     (index, "together"): functools.partial(together, probe)})
     # A drafter pass in decoding follows a verify pass, which has pushed the drafter out of the caches.
     verify = functools.partial(target_probe.run, width)
-    ms = _interleaved_ms(runs, repeats, device, before={"draft": verify, "packed": verify})
+    before = {(index, kind): verify for index in range(len(probes)) for kind in ("draft", "packed")}
+    ms = _interleaved_ms(runs, repeats, device, before=before)
     ar_ms = ms[1]
     rest = [w for w in widths if w > 1]
-    slope = sum((ms[w] - ar_ms) * (w - 1) for w in rest) / sum((w - 1) ** 2 for w in rest)
-    alone = (ms[width], ms["packed"])
-    contention = (ms["together"] - max(alone)) / min(alone) if min(alone) > 0 else 0.0
-    return PassTimes(ar_ms, max(0.0, slope), ms["draft"], ms["packed"], min(1.0, max(0.0, contention)),
-                     drafter_probe.draft_tokens, drafter_probe.packed_tokens)
+    slope = max(0.0, sum((ms[w] - ar_ms) * (w - 1) for w in rest) / sum((w - 1) ** 2 for w in rest))
+    times = []
+    for index, probe in enumerate(probes):
+        alone = (ms[width], ms[(index, "packed")])
+        contention = (ms[(index, "together")] - max(alone)) / min(alone) if min(alone) > 0 else 0.0
+        times.append(PassTimes(ar_ms, slope, ms[(index, "draft")], ms[(index, "packed")],
+                               min(1.0, max(0.0, contention)), probe.draft_tokens, probe.packed_tokens))
+    return times
 
 
 def drafter_layer_costs(drafter, packed_budget: int, repeats: int = 5, full: tuple[float, float] | None = None,

@@ -26,6 +26,13 @@ class ScoreConfig:
         bootstrap: resamples for the confidence interval; confidence: its level.
         timing_repeats: timed passes per measurement (the median is kept).
         seed: seeds the bootstrap.
+        screen_prompts: a first pass evaluates every layer on the first `screen_prompts` prompts; only the
+            `screen_keep` layers that score lowest there are evaluated on the rest. The others keep their
+            first-pass score (LayerScore.prompts says on how many prompts a score stands) and rank after
+            every layer scored on all prompts. 0, or at least as many as there are prompts: every layer on
+            every prompt. (A layer that scores far above the least harmful ones on half the prompts is not
+            removed in this step whatever the other half says; the round then costs about two thirds.)
+        screen_keep: layers scored on every prompt after the first pass (at least the layers a step removes).
     """
 
     criterion: str = DEFAULT_CRITERION
@@ -36,6 +43,12 @@ class ScoreConfig:
     confidence: float = 0.95
     timing_repeats: int = 5
     seed: int = 0
+    screen_prompts: int = 8
+    screen_keep: int = 12
+
+    def screen(self, prompts: int) -> int:
+        """Prompts of the first pass for a round on `prompts` prompts (0: no screening)."""
+        return self.screen_prompts if 0 < self.screen_prompts < prompts else 0
 
     def validate(self) -> None:
         if self.criterion not in CRITERIA:
@@ -46,6 +59,9 @@ class ScoreConfig:
             raise ConfigError("layer scoring is greedy; use temperature 0")
         if self.batch_size < 1 or self.bootstrap < 1 or not 0 < self.confidence < 1:
             raise ConfigError("batch_size and bootstrap must be >= 1 and confidence in (0, 1)")
+        if self.screen_prompts < 0 or self.screen_keep < 1:
+            raise ConfigError(f"--screen-prompts {self.screen_prompts} must be >= 0 and --screen-keep "
+                              f"{self.screen_keep} >= 1")
 
 
 @dataclass
@@ -110,6 +126,10 @@ class RunConfig:
             raise ConfigError(f"--min-retention {self.min_retention} must be in (0, 1]")
         if self.per_step < 1:
             raise ConfigError(f"--per-step {self.per_step} must be at least 1")
+        if self.score.screen_prompts and self.per_step > self.score.screen_keep:
+            raise ConfigError(f"--per-step {self.per_step} removes more layers than the {self.score.screen_keep} "
+                              "that screening scores on every prompt; raise --screen-keep or pass "
+                              "--screen-prompts 0")
         if self.layers_to_remove is not None and not 0 < self.layers_to_remove < num_layers:
             raise ConfigError(
                 f"--layers-to-remove {self.layers_to_remove} must be in 1..{num_layers - 1}: the drafter has "

@@ -1,8 +1,9 @@
 """The layer evaluations of an unfinished scoring round, kept on disk so that a killed run loses at most one.
 
 A `ScoringJournal` is the file OUT/scoring-XX.json (XX: the step whose layers the round chooses), the JSON
-document `{"key": str, "base": Evaluation, "layers": {"index": LayerScore}}` (prune.scoring), rewritten
-atomically (models.checkpoint.atomic_write_text) after the round's baseline evaluation and after each layer.
+document `{"key": str, "base": Evaluation, "screen_base": Evaluation, "screened": {"index": [Evaluation,
+LayerScore]}, "layers": {"index": LayerScore}}` (prune.scoring.ScoringMemory), rewritten atomically
+(models.checkpoint.atomic_write_text) after the round's baseline evaluation and after each evaluation.
 Its key fingerprints everything those evaluations depend on: the run's settings and pass times, the prompts
 and trajectories, and the weights, dtype and device of the drafter being scored. A journal with another key
 (a resume with other settings or prompts, another drafter, device or dtype) is never read: it is
@@ -18,21 +19,23 @@ from pathlib import Path
 from models.checkpoint import atomic_write_text
 
 from .cache import fingerprint
-from .scoring import Evaluation, LayerScore
+from .scoring import Evaluation, LayerScore, ScoringMemory
 
 PATTERN = "scoring-*.json"
 
 
-class ScoringJournal:
-    """One scoring round's saved evaluations: `base` (Evaluation or None) and `layers` ({index: LayerScore})."""
+class ScoringJournal(ScoringMemory):
+    """One scoring round's saved evaluations (prune.scoring.ScoringMemory), in a file."""
 
     def __init__(self, file: str | Path, key: str):
+        super().__init__()
         self.file, self.key = Path(file), key
-        self.base: Evaluation | None = None
-        self.layers: dict[int, LayerScore] = {}
         saved = _read(self.file)
         if saved.get("key") == key:
             self.base = Evaluation(**saved["base"]) if saved.get("base") else None
+            self.screen_base = Evaluation(**saved["screen_base"]) if saved.get("screen_base") else None
+            self.screened = {int(i): (Evaluation(**e), LayerScore(**s))
+                             for i, (e, s) in saved.get("screened", {}).items()}
             self.layers = {int(i): LayerScore(**s) for i, s in saved.get("layers", {}).items()}
 
     @classmethod
@@ -41,27 +44,13 @@ class ScoringJournal:
         values and modules its evaluations depend on (fingerprinted into the key)."""
         return cls(Path(out) / f"scoring-{step:02d}.json", fingerprint("scoring-round", step, *keyed))
 
-    def add_base(self, evaluation: Evaluation) -> None:
-        """Record the round's baseline (the drafter with all its layers)."""
-        self.base = evaluation
-        self._save()
-
-    def add_layer(self, score: LayerScore) -> None:
-        """Record one layer's score."""
-        self.layers[score.layer] = score
-        self._save()
-
-    def record(self, base: Evaluation, layers: list[LayerScore]) -> None:
-        """Record a whole round at once (one taken from the score cache)."""
-        self.base = base
-        self.layers = {score.layer: score for score in layers}
-        self._save()
-
     def remove(self) -> None:
         self.file.unlink(missing_ok=True)
 
     def _save(self) -> None:
         document = {"key": self.key, "base": asdict(self.base) if self.base is not None else None,
+                    "screen_base": asdict(self.screen_base) if self.screen_base is not None else None,
+                    "screened": {str(i): [asdict(e), asdict(s)] for i, (e, s) in sorted(self.screened.items())},
                     "layers": {str(i): asdict(s) for i, s in sorted(self.layers.items())}}
         atomic_write_text(self.file, json.dumps(document) + "\n")
 

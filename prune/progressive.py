@@ -33,7 +33,7 @@ from .heal import heal
 from .journal import ScoringJournal, remove_journals
 from .progress import progress_bar
 from .report import write_report
-from .scoring import Evaluation, ScoreReport, cached_scores, evaluate
+from .scoring import Evaluation, ScoreReport, cached_scores, evaluate, round_evaluations
 from .state import BaseRecord, RunState, StepRecord, Timing, campaign_timing, has_run, load_state, save_state
 
 _silent = functools.partial(progress_bar, enabled=False)
@@ -197,10 +197,11 @@ def _score_round(run: _Run, current, state: RunState) -> ScoreReport:
     layers, step = current.config.num_hidden_layers, len(state.history) + 1
     journal = ScoringJournal.for_round(run.out, step, state.config, state.timing.to_dict(), c.prompts,
                                        c.trajectories, *model_identity(current))
-    if journal.layers:
-        run.log(f"step {step}: scoring continues with {len(journal.layers)} of {layers} layers evaluated "
-                "before the interruption")
-    with (run.hooks.progress or _silent)(f"step {step}: scoring", layers) as advance:
+    if journal.layers or journal.screened:
+        run.log(f"step {step}: scoring continues with {len(journal.screened) or len(journal.layers)} of {layers} "
+                "layers evaluated before the interruption")
+    evaluations = round_evaluations(run.config.score, layers, len(c.prompts))
+    with (run.hooks.progress or _silent)(f"step {step}: scoring", evaluations) as advance:
         return cached_scores(c.cache, current, c.prompts, run.config.score, state.timing, c.target,
                              trajectories=c.trajectories, on_layer=lambda *_: advance(), journal=journal, store=False)
 

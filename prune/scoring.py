@@ -43,12 +43,34 @@ class Evaluation:
     width: float | None = None
     packed_share: float | None = None
     packed_tokens: float | None = None
+    rounds: int | None = None
+    judged_rounds: int | None = None
 
     @classmethod
     def of(cls, results: list[DecodeResult], block_size: int) -> "Evaluation":
         summary = summarize(results, block_size)
+        judged = sum(rnd.hit is not None for r in results for rnd in r.rounds)
         return cls(summary["tau_per_prompt"], summary["tau_macro"], summary["hit_rate"], summary["fallback_rate"],
-                   summary["verify_width_mean"], summary.get("packed_share"), summary.get("packed_pass_tokens_mean"))
+                   summary["verify_width_mean"], summary.get("packed_share"), summary.get("packed_pass_tokens_mean"),
+                   summary["rounds"], judged)
+
+    @classmethod
+    def merge(cls, first: "Evaluation", second: "Evaluation") -> "Evaluation":
+        """The evaluation of two disjoint sets of prompts together, as `of` gives it for their results
+        at once: per-prompt tau concatenated, each rate weighted by the rounds it is a share of."""
+
+        def pooled(name: str, weights: tuple[float, float]) -> float | None:
+            parts = [(getattr(e, name), w) for e, w in zip((first, second), weights) if w]
+            total = sum(w for _, w in parts)
+            return sum(v * w for v, w in parts) / total if total and all(v is not None for v, _ in parts) else None
+
+        rounds = (first.rounds, second.rounds)
+        judged = (first.judged_rounds, second.judged_rounds)
+        packed = tuple((e.packed_share or 0.0) * e.rounds for e in (first, second))
+        per_prompt = first.tau_per_prompt + second.tau_per_prompt
+        return cls(per_prompt, sum(per_prompt) / len(per_prompt), pooled("hit_rate", judged),
+                   pooled("fallback_rate", judged), pooled("width", rounds), pooled("packed_share", rounds),
+                   pooled("packed_tokens", packed), sum(rounds), sum(judged))
 
     def predicted_speedup(self, times: cost.PassTimes | None) -> float | None:
         """Predicted async speedup of this drafter with pass times `times` (None without target times)."""
@@ -61,7 +83,9 @@ class Evaluation:
 
 @dataclass
 class LayerScore:
-    """One layer's score; indices are 0-based (current numbering and in the unpruned drafter)."""
+    """One layer's score; indices are 0-based (current numbering and in the unpruned drafter). `prompts`:
+    the calibration prompts it stands on (fewer than the round's where screening left the layer out after
+    its first pass; None in reports from before screening)."""
 
     layer: int
     original_layer: int
@@ -77,6 +101,7 @@ class LayerScore:
     verify_width: float | None = None
     packed_share: float | None = None
     packed_tokens: float | None = None
+    prompts: int | None = None
 
 
 @dataclass
@@ -94,8 +119,10 @@ class ScoreReport:
     pass_times: dict | None = None
 
     def ranking(self) -> list[LayerScore]:
-        """Layers from least to most harmful to remove."""
-        return sorted(self.layers, key=lambda s: (s.score, s.layer))
+        """Layers from least to most harmful to remove: those scored on every prompt first, then those a
+        screening round scored on its first prompts only (ScoreConfig.screen_prompts)."""
+        every = max((s.prompts or 0) for s in self.layers) if self.layers else 0
+        return sorted(self.layers, key=lambda s: ((s.prompts or every) < every, s.score, s.layer))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -139,6 +166,46 @@ def bootstrap_interval(deltas: list[float], resamples: int, confidence: float, s
     return low, high
 
 
+class ScoringMemory:
+    """A scoring round's evaluations so far (kept in memory; prune.journal.ScoringJournal keeps them on disk):
+    `base` (Evaluation of the drafter on every prompt), `screen_base` (on the first pass's prompts, when the
+    round screens), `screened` ({layer: (Evaluation, LayerScore)} of the first pass) and `layers` ({layer:
+    LayerScore}, final)."""
+
+    def __init__(self):
+        self.base: Evaluation | None = None
+        self.screen_base: Evaluation | None = None
+        self.screened: dict[int, tuple[Evaluation, LayerScore]] = {}
+        self.layers: dict[int, LayerScore] = {}
+
+    def add_base(self, base: Evaluation | None, screen_base: Evaluation | None = None) -> None:
+        self.base, self.screen_base = base, screen_base
+        self._save()
+
+    def add_screened(self, layer: int, evaluation: Evaluation, score: LayerScore) -> None:
+        self.screened[layer] = (evaluation, score)
+        self._save()
+
+    def add_layer(self, score: LayerScore) -> None:
+        self.layers[score.layer] = score
+        self._save()
+
+    def record(self, base: Evaluation, layers: list[LayerScore]) -> None:
+        """Record a whole round at once (one taken from the score cache)."""
+        self.base = base
+        self.layers = {score.layer: score for score in layers}
+        self._save()
+
+    def _save(self) -> None:
+        """Nothing to save in memory."""
+
+
+def round_evaluations(config: ScoreConfig, layers: int, prompts: int) -> int:
+    """Evaluations (calls of `on_layer`) in a scoring round of `layers` layers on `prompts` prompts: one per
+    layer, and one more per layer that a screening round scores on the rest of the prompts."""
+    return layers + (min(config.screen_keep, layers) if config.screen(prompts) else 0)
+
+
 def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=None, trajectories=None,
                  on_layer=None, times: cost.PassTimes | None = None,
                  layer_costs: tuple[cost.LayerCost, cost.LayerCost] | None = None, journal=None) -> ScoreReport:
@@ -149,16 +216,17 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
         target: the target model; needed for live verification, for recording trajectories when none
             are given, and for the target pass times of the speedup prediction.
         trajectories: recorded greedy trajectories (prompt + output) per prompt, for replay.
-        on_layer: optional callback(layer index, LayerScore) after each layer, e.g. a progress bar.
+        on_layer: optional callback(layer index, LayerScore) after each evaluation of a layer, e.g. a progress
+            bar (`round_evaluations` calls in all; a screened layer's first call has its first-pass score).
         times: the pair's pass times (decode.timing.measure_pass_times); None measures them when a target
             is given. The target's times are shared by every layer.
         layer_costs: (sync draft, packed) pass time as functions of depth (decode.timing.drafter_layer_costs):
             the drafters' pass times are then modelled, not timed per layer (a pruning campaign passes its
             own, so a scoring round spends no time on timing and its speedup scores carry no timing noise);
             None times the drafter and every reduced drafter.
-        journal: optional store of this round's evaluations (prune.journal.ScoringJournal: `base`, `layers`
-            {index: LayerScore}, `add_base`, `add_layer`): what it holds is not evaluated again and each new
-            evaluation is added as it finishes, so a killed round resumes at the layer it was evaluating.
+        journal: optional store of this round's evaluations (a ScoringMemory; prune.journal.ScoringJournal
+            keeps it on disk): what it holds is not evaluated again and each new evaluation is added as it
+            finishes, so a killed round resumes at the evaluation it was running.
     """
     config.validate()
     if config.verify == "replay" and trajectories is None:
@@ -170,39 +238,74 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
     block = config.decode.block_size or drafter.config.block_size
     if times is None and target is not None:
         times = measure_pass_times(target, drafter, config.decode, config.timing_repeats)
-    base = journal.base if journal is not None and journal.base is not None else None
-    if base is None:
-        base = evaluate(drafter, prompts, config, trajectories, target)
-        if journal is not None:
-            journal.add_base(base)
+    screen = config.screen(len(prompts))
+    first = slice(0, screen or len(prompts))
+
+    def run(model, part: slice = slice(None)) -> Evaluation:
+        return evaluate(model, prompts[part], config, trajectories and trajectories[part], target)
+
+    journal = journal if journal is not None else ScoringMemory()
+    if screen and journal.screen_base is None:
+        journal.add_base(journal.base, run(drafter, first))
+    if journal.base is None:
+        base = Evaluation.merge(journal.screen_base, run(drafter, slice(screen, None))) if screen else run(drafter)
+        journal.add_base(base, journal.screen_base)
+    base, screen_base = journal.base, journal.screen_base or journal.base
 
     def pass_ms(model) -> tuple[float, float]:
         if layer_costs is not None:
             return tuple(c.at(model.config.num_hidden_layers) for c in layer_costs)
         return drafter_pass_ms(model, config.decode.packed_budget, config.timing_repeats)
 
+    def speedup_of(evaluation: Evaluation) -> float | None:
+        return evaluation.predicted_speedup(times and times.with_drafter(base_draft_ms, base_packed_ms))
+
     base_draft_ms, base_packed_ms = pass_ms(drafter)
-    base_speedup = base.predicted_speedup(times and times.with_drafter(base_draft_ms, base_packed_ms))
+    base_speedup = speedup_of(base)
     if CRITERIA[config.criterion].needs_speedup and base_speedup is None:
         raise ConfigError(f"the {config.criterion} criterion needs the target's pass times; pass the target")
     original = list(getattr(drafter.config, "original_layer_indices", None) or range(drafter.config.num_hidden_layers))
-    scores = []
+    first_pass = {}  # layer -> (its evaluation on the first prompts, its score there)
     for layer in range(drafter.config.num_hidden_layers):
-        if journal is not None and layer in journal.layers:
-            scores.append(journal.layers[layer])
+        if layer in journal.layers or layer in journal.screened:
+            first_pass[layer] = journal.screened.get(layer)
+            continue
+        reduced = remove_layers(drafter, [layer])
+        evaluation = run(reduced, first)
+        score = _layer_score(layer, original[layer], screen_base, evaluation, pass_ms(reduced), times,
+                             speedup_of(screen_base), config, prompts=len(evaluation.tau_per_prompt))
+        del reduced
+        if screen:
+            journal.add_screened(layer, evaluation, score)
+            first_pass[layer] = (evaluation, score)
         else:
-            reduced = remove_layers(drafter, [layer])
-            evaluation = evaluate(reduced, prompts, config, trajectories, target)
-            scores.append(_layer_score(layer, original[layer], base, evaluation, pass_ms(reduced), times,
-                                       base_speedup, config))
-            del reduced
-            if journal is not None:
-                journal.add_layer(scores[-1])
-            fault_point("score-layer")
+            journal.add_layer(score)
+        fault_point("score-layer")
         if on_layer is not None:
-            on_layer(layer, scores[-1])
+            on_layer(layer, score)
+    if screen:
+        ranked = sorted(((layer, entry) for layer, entry in first_pass.items() if entry is not None),
+                        key=lambda item: (item[1][1].score, item[0]))
+        kept = {layer for layer, _ in ranked[:config.screen_keep]}
+        for layer, (evaluation, score) in ranked:
+            if layer in journal.layers:
+                continue
+            if layer in kept:
+                reduced = remove_layers(drafter, [layer])
+                evaluation = Evaluation.merge(evaluation, run(reduced, slice(screen, None)))
+                del reduced
+                score = _layer_score(layer, original[layer], base, evaluation,
+                                     (score.draft_pass_ms, score.packed_pass_ms), times, base_speedup, config,
+                                     prompts=len(prompts))
+            journal.add_layer(score)  # a layer left out keeps its first-pass score
+            if layer in kept:
+                fault_point("score-layer")
+                if on_layer is not None:
+                    on_layer(layer, score)
+    scores = [journal.layers[layer] for layer in range(drafter.config.num_hidden_layers)]
     settings = {"criterion": config.criterion, "verify": config.verify, "decode": asdict(config.decode),
-                "prompts": len(prompts), "bootstrap": config.bootstrap, "confidence": config.confidence,
+                "prompts": len(prompts), "screen_prompts": screen, "screen_keep": config.screen_keep if screen else None,
+                "bootstrap": config.bootstrap, "confidence": config.confidence,
                 "seed": config.seed, "layers": "0-based; original_layer = index in the unpruned drafter"}
     verify_ms = times.verify_ms(base.width or block) if times is not None else None
     return ScoreReport(base, base_draft_ms, base_packed_ms, base_speedup, verify_ms,
@@ -211,7 +314,8 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
 
 
 def _layer_score(layer: int, original: int, base: Evaluation, evaluation: Evaluation, pass_ms: tuple[float, float],
-                 times: cost.PassTimes | None, base_speedup: float | None, config: ScoreConfig) -> LayerScore:
+                 times: cost.PassTimes | None, base_speedup: float | None, config: ScoreConfig,
+                 prompts: int) -> LayerScore:
     """The score of `layer` (`original`: its index in the unpruned drafter) from the evaluation of the drafter
     without it; `pass_ms` = (sync draft, packed) pass times of that drafter in ms."""
     deltas = [b - r for b, r in zip(base.tau_per_prompt, evaluation.tau_per_prompt)]
@@ -220,7 +324,7 @@ def _layer_score(layer: int, original: int, base: Evaluation, evaluation: Evalua
     score = CRITERIA[config.criterion].score(LayerEffect(base, evaluation, base_speedup, speedup))
     return LayerScore(layer, original, evaluation.tau, evaluation.fallback_rate, base.tau - evaluation.tau, low, high,
                       *pass_ms,
-                      speedup, score, evaluation.width, evaluation.packed_share, evaluation.packed_tokens)
+                      speedup, score, evaluation.width, evaluation.packed_share, evaluation.packed_tokens, prompts)
 
 
 def cached_trajectories(folder: Path | None, target, prompts: list[list[int]], decode: DecodeConfig) -> list:

@@ -14,7 +14,8 @@ step, in this form (times in ms, tau in committed tokens per target pass, layer 
 
 `RunState.from_dict` reads every form this tool has written: timing from before the cost model
 (`{"layers", "draft_ms", "packed_ms", "verify_ms", "ar_ms"}`, written back as it was read) and layer
-scores without the fields added later (read as None).
+scores without the fields added later (read as None; `prompts`, added with screening, is written back
+absent).
 """
 
 import json
@@ -164,6 +165,9 @@ class StepRecord:
         record = asdict(self)
         if not scores:
             del record["scores"]
+        for score in record.get("scores", []):
+            if score["prompts"] is None:  # a score from before screening: written back as it was read
+                del score["prompts"]
         return record
 
     @classmethod

@@ -137,6 +137,8 @@ def test_bench_several_drafters_share_one_ar_run(pair_dirs, second_drafter, caps
     assert set(report) == {"drafters", "baselines", "prompts", "settings"}
     assert set(report["baselines"]) == {"ar", "pld", "generate"}
     assert report["baselines"]["pld"]["exact_match_vs_ar"] is True
+    pass_times = report["settings"]["pass_times"]  # both drafters from one measurement with one of the target
+    assert set(pass_times) == {first, second_drafter} and len({t["ar_ms"] for t in pass_times.values()}) == 1
     assert [(e["drafter"], e["layers"], e["block_size"]) for e in report["drafters"]] == [(first, 2, 4),
                                                                                        (second_drafter, 1, 3)]
     for entry in report["drafters"]:
@@ -313,7 +315,7 @@ def test_every_cache_key_holds_the_device_and_the_dtype(pair_dirs, capsys, tmp_p
         return lambda *a, **k: calls.append(name) or function(*a, **k)
 
     for module, name in ((prune.scoring, "record_trajectories"), (prune.scoring, "score_layers"),
-                         (decode.timing, "measure_pass_times")):
+                         (decode.timing, "measure_drafters")):
         monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
     assert main(args) == 0 and calls == []  # all three cached
     identity = prune.cache.model_identity
@@ -321,7 +323,7 @@ def test_every_cache_key_holds_the_device_and_the_dtype(pair_dirs, capsys, tmp_p
                  "dtype": lambda model: [identity(model)[0], "torch.bfloat16", identity(model)[2]]}[moved]
     monkeypatch.setattr(prune.cache, "model_identity", elsewhere)
     assert main(args) == 0
-    assert sorted(set(calls)) == ["measure_pass_times", "record_trajectories", "score_layers"]
+    assert sorted(set(calls)) == ["measure_drafters", "record_trajectories", "score_layers"]
     capsys.readouterr()
 
 

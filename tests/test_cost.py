@@ -100,6 +100,22 @@ def test_measured_pass_times_of_a_tiny_pair_are_consistent():
     assert times.draft_tokens == 5 and times.packed_tokens == 4 + 3 * 5  # block 4, budget 16: 3 candidates
 
 
+def test_drafters_measured_together_share_one_target_measurement():
+    from _pairs import tiny_target
+    from conftest import build_tiny_drafter
+    from decode.decoders import DecodeConfig
+    from decode.timing import measure_drafters
+    from models.surgery import remove_layers
+
+    target, drafter = tiny_target(), build_tiny_drafter(block_size=4)
+    shallow = remove_layers(drafter, [0])
+    full, pruned = measure_drafters(target, [drafter, shallow], DecodeConfig(packed_budget=16), repeats=2, context=16)
+    assert (full.ar_ms, full.per_token_ms) == (pruned.ar_ms, pruned.per_token_ms)  # one target measurement
+    for times in (full, pruned):
+        assert times.draft_ms > 0 and times.packed_ms > 0 and 0.0 <= times.contention <= 1.0
+        assert (times.draft_tokens, times.packed_tokens) == (5, 4 + 3 * 5)
+
+
 def test_candidate_policy_drafts_nothing_where_the_passes_cannot_overlap():
     from decode.cost import CandidatePolicy
 

@@ -58,3 +58,71 @@ def test_speedup_criterion_and_original_indices_after_pruning(setup):
     assert report.base_predicted_speedup is not None and report.target_verify_ms > 0
     for score in report.layers:
         assert score.score == pytest.approx(report.base_predicted_speedup - score.predicted_speedup)
+
+
+def test_screening_scores_the_lowest_layers_of_its_first_pass_on_every_prompt(setup):
+    target, drafter, prompts, decode = setup  # 3 layers, 4 prompts
+    trajectories = record_trajectories(target, prompts, decode)
+
+    def scored(prompt_count, **screen):
+        config = ScoreConfig(decode=decode, timing_repeats=1, **screen)
+        return score_layers(drafter, prompts[:prompt_count], config, trajectories=trajectories[:prompt_count])
+
+    full, first = scored(4, screen_prompts=0), scored(2, screen_prompts=0)
+    screened = scored(4, screen_prompts=2, screen_keep=2)
+    kept = {s.layer for s in sorted(first.layers, key=lambda s: (s.score, s.layer))[:2]}
+    assert screened.base.tau_per_prompt == full.base.tau_per_prompt
+    assert screened.settings["screen_prompts"] == 2 and screened.settings["screen_keep"] == 2
+    for score, whole, half in zip(screened.layers, full.layers, first.layers):
+        if score.layer in kept:  # the first pass's evaluation and the rest's pooled: the whole round's numbers
+            assert score.prompts == 4
+            for field in ("tau_without", "delta_tau", "score", "fallback_rate", "verify_width", "packed_share",
+                          "packed_tokens", "ci_low", "ci_high"):
+                assert getattr(score, field) == pytest.approx(getattr(whole, field)), field
+        else:
+            assert score.prompts == 2 and score.score == half.score and score.delta_tau == half.delta_tau
+    assert {s.layer for s in screened.ranking()[:2]} == kept  # layers scored on every prompt rank first
+    assert all(s.prompts == 4 for s in full.layers)
+    assert scored(2, screen_prompts=2).settings["screen_prompts"] == 0  # as many prompts as the screen: none
+
+
+def test_a_screening_round_resumes_from_its_journal(setup, tmp_path, monkeypatch):
+    import prune.scoring as scoring
+    from decode.cost import LayerCost
+    from prune.journal import ScoringJournal
+
+    target, drafter, prompts, decode = setup
+    trajectories = record_trajectories(target, prompts, decode)
+    config = ScoreConfig(decode=decode, timing_repeats=1, screen_prompts=2, screen_keep=2)
+    costs = (LayerCost(1.0, 2.0), LayerCost(1.0, 3.0))  # modelled pass times: nothing timed, nothing noisy
+    whole = score_layers(drafter, prompts, config, trajectories=trajectories, layer_costs=costs).to_dict()
+    real_evaluate = scoring.evaluate
+    # Killed after two of the first pass's three evaluations, or after the first of the second pass's two.
+    for kill_at, evaluations_left in ((2, 1 + 2), (4, 1)):
+        calls, evaluated, file = [], [], tmp_path / f"journal-{kill_at}.json"
+
+        def killed(name):
+            calls.append(name)
+            if len(calls) == kill_at:
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(scoring, "fault_point", killed)
+        with pytest.raises(KeyboardInterrupt):
+            score_layers(drafter, prompts, config, trajectories=trajectories, layer_costs=costs,
+                         journal=ScoringJournal(file, "key"))
+        monkeypatch.setattr(scoring, "fault_point", lambda name: None)
+        monkeypatch.setattr(scoring, "evaluate", lambda *a, **k: evaluated.append(1) or real_evaluate(*a, **k))
+        resumed = score_layers(drafter, prompts, config, trajectories=trajectories, layer_costs=costs,
+                               journal=ScoringJournal(file, "key"))
+        monkeypatch.setattr(scoring, "evaluate", real_evaluate)
+        assert resumed.to_dict() == whole and len(evaluated) == evaluations_left
+
+
+def test_a_step_never_removes_more_layers_than_screening_scores_on_every_prompt():
+    from models.errors import ConfigError
+    from prune.config import RunConfig
+
+    RunConfig(per_step=12).validate(36)
+    with pytest.raises(ConfigError, match="raise --screen-keep or pass --screen-prompts 0"):
+        RunConfig(per_step=13).validate(36)
+    RunConfig(per_step=13, score=ScoreConfig(screen_prompts=0)).validate(36)

@@ -9,6 +9,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from decode.config import CANDIDATE_MODES, WIDTH_MODES, DecodeConfig
+from prune.config import ScoreConfig
 from prune.tracking import TrackingConfig, default_dir, drafter_tag, resolve_mode, tracker_for
 
 from . import _types
@@ -22,7 +23,7 @@ def defaults(config_class) -> dict:
     return {f.name: f.default for f in fields(config_class) if f.default is not MISSING}
 
 
-DECODE, TRACKING = defaults(DecodeConfig), defaults(TrackingConfig)
+DECODE, TRACKING, SCORE = defaults(DecodeConfig), defaults(TrackingConfig), defaults(ScoreConfig)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -96,43 +97,60 @@ def add_decode_args(parser) -> None:
                         "(default: a quarter of the threads, at least 1)")
 
 
-def decode_config(args, pair, drafter=None, log=None, target_times=None, **fields):
-    """The DecodeConfig of `add_decode_args` flags for `pair` (and `drafter`, default the pair's), and the
-    pair's pass times (decode.cost.PassTimes; the adaptive width policy is derived from them).
+def add_screen_args(parser) -> None:
+    """The scoring round's screening flags (prune.config.ScoreConfig.screen_prompts)."""
+    parser.add_argument("--screen-prompts", type=_types.non_negative_int, default=SCORE["screen_prompts"],
+                        metavar="N", help="score every layer on the first N calibration prompts, then only the "
+                        "--screen-keep lowest-scoring ones on the rest (0, or N at least the prompts: every layer on "
+                        "every prompt)")
+    parser.add_argument("--screen-keep", type=_types.positive_int, default=SCORE["screen_keep"], metavar="K",
+                        help="layers scored on every prompt after the first pass (at least --per-step)")
 
-    Pass times are measured once per drafter, target, device (and GPU model), dtype, thread count and packed
+
+def decode_config(args, pair, drafter=None, log=None, **fields):
+    """The DecodeConfig of `add_decode_args` flags for `pair` (and `drafter`, default the pair's), and the
+    pair's pass times (decode.cost.PassTimes; the adaptive width policy is derived from them): the one
+    entry of `decode_configs`."""
+    return decode_configs(args, pair, [drafter or pair.drafter], log, **fields)[0]
+
+
+def decode_configs(args, pair, drafters, log=None, **fields) -> list:
+    """[(DecodeConfig, PassTimes)] for each of `drafters` with `pair`'s target, from the `add_decode_args`
+    flags; `fields` set other DecodeConfig attributes.
+
+    The drafters' pass times come from one interleaved measurement with one measurement of the target
+    (decode.timing.measure_drafters), so drafters compared in one run are timed under the same load. They
+    are measured once per set of drafters, target, device (and GPU model), dtype, thread count and packed
     budget and kept in the cache folder (unless --no-cache), so that repeated runs choose the same widths:
-    decisions, tau and the score cache stay reproducible on one machine. `target_times`: pass times of the same target
-    with another drafter; only this drafter's passes are then measured, so drafters compared in one run
-    share one measurement of the target. `fields` set other DecodeConfig attributes.
+    decisions, tau and the score cache stay reproducible on one machine.
     """
     from decode.cost import PassTimes
-    from decode.timing import measure_pass_times
+    from decode.timing import measure_drafters
     from prune.cache import cached_json, fingerprint, pass_times_key
 
-    config = DecodeConfig(stop_ids=pair.stop_ids, packed_budget=args.packed_budget,
-                          draft_threads=args.draft_threads, **fields)
-    drafter = drafter or pair.drafter
-    config.verify_block(drafter.config.block_size)
-    key = pass_times_key(drafter, pair.target, config)
+    base = DecodeConfig(stop_ids=pair.stop_ids, packed_budget=args.packed_budget,
+                        draft_threads=args.draft_threads, **fields)
+    for drafter in drafters:
+        base.verify_block(drafter.config.block_size)
+    keys = [pass_times_key(drafter, pair.target, base) for drafter in drafters]
     cache = cache_dir(args)
 
     def measure():
-        (log or _stderr)("measuring the pair's pass times for the cost model (once; cached) ...")
+        (log or _stderr)("measuring the pass times for the cost model (once; cached) ...")
         warn_if_busy(cache, log or _stderr)
-        measured = measure_pass_times(pair.target, drafter, config)
-        if target_times is None:
-            return measured.to_dict()
-        # The drafter's passes are timed between target passes, as they run in decoding: timed alone, a small
-        # drafter stays in the caches (a pruned demo drafter so timed was predicted at 1.28x, measured 1.04x);
-        # the target's times stay shared.
-        return target_times.with_drafter(measured.draft_ms, measured.packed_ms).to_dict()
+        measured = [times.to_dict() for times in measure_drafters(pair.target, drafters, base)]
+        return measured[0] if len(measured) == 1 else measured  # one drafter: the record as before
 
-    if target_times is not None:
-        key = fingerprint(key, target_times.to_dict())
-    times = PassTimes(**cached_json(cache and cache / "pass-times", key, measure))
+    key = keys[0] if len(keys) == 1 else fingerprint("pass-times of drafters together", *keys)
+    stored = cached_json(cache and cache / "pass-times", key, measure)
+    stored = [stored] if isinstance(stored, dict) else stored
+    adaptive_width = args.width == "adaptive"
     adaptive_candidates = getattr(args, "candidates", "adaptive") == "adaptive"
-    return config.tuned_to(times, width=args.width == "adaptive", candidates=adaptive_candidates), times
+    configs = []
+    for record in stored:
+        times = PassTimes(**record)
+        configs.append((base.tuned_to(times, width=adaptive_width, candidates=adaptive_candidates), times))
+    return configs
 
 
 def warn_if_busy(cache, log) -> bool:

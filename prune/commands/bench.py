@@ -16,7 +16,7 @@ from ._common import (
     add_decode_args,
     add_model_args,
     add_prompt_args,
-    decode_config,
+    decode_configs,
     defaults,
     drafter_path,
     load_pair_and_prompts,
@@ -111,12 +111,9 @@ def run(args) -> int:
     pair, prompts, drafters, target_path, source = load_models_and_prompts(args)
     fields = dict(max_new_tokens=args.max_new_tokens, block_size=args.block_size, temperature=args.temperature,
                   seed=args.seed, fan_out=args.fan_out, concurrent=not args.sequential)
-    first_name, first = drafters[0]
-    per_drafter = {first_name: decode_config(args, pair, first, **fields)}
-    target_times = per_drafter[first_name][1]  # one measurement of the target for every drafter
-    for name, drafter in drafters[1:]:
-        per_drafter[name] = decode_config(args, pair, drafter, target_times=target_times, **fields)
-    decode = per_drafter[first_name][0]
+    configs = decode_configs(args, pair, [drafter for _, drafter in drafters], **fields)
+    per_drafter = {name: entry for (name, _), entry in zip(drafters, configs)}
+    decode = configs[0][0]
     decoders = select_decoders(args.decoder, args.temperature, args.verify, assistant=args.assistant is not None)
     assistant = load_assistant(args.assistant, pair) if args.assistant else None
     config = BenchConfig(decode=decode, decoders=decoders, verify=args.verify, replay_batch=args.replay_batch,

@@ -13,6 +13,7 @@ from ._common import (
     add_command,
     add_debug,
     add_decode_args,
+    add_screen_args,
     add_export_dtype_arg,
     add_model_args,
     add_prompt_args,
@@ -66,6 +67,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--criterion", choices=tuple(CRITERIA), default=SCORE["criterion"],
                         help=f"layer scoring criterion ({describe()})")
     parser.add_argument("--verify", choices=VERIFY_MODES, default=SCORE["verify"], help="verification in scoring")
+    add_screen_args(parser)
     add_decode_args(parser)
     add_heal_data_arg(parser)
     parser.add_argument("--heal-steps", type=_types.non_negative_int, default=HEAL["steps"],
@@ -147,7 +149,8 @@ def run_config(args, decode, healing: bool) -> RunConfig:
     return RunConfig(
         layers_to_remove=args.layers_to_remove, min_retention=args.min_retention, per_step=args.per_step,
         stop_on_speedup=not args.no_speedup_stop,
-        score=ScoreConfig(criterion=args.criterion, verify=args.verify, decode=decode, seed=args.seed),
+        score=ScoreConfig(criterion=args.criterion, verify=args.verify, decode=decode, seed=args.seed,
+                          screen_prompts=args.screen_prompts, screen_keep=args.screen_keep),
         heal=HealConfig(steps=args.heal_steps if healing else 0, rank=args.lora_rank, alpha=args.lora_alpha,
                         lr=args.heal_lr, distill_weight=args.heal_distill, seed=args.seed),
     )

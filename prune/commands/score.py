@@ -9,6 +9,7 @@ from ._common import (
     add_command,
     add_debug,
     add_decode_args,
+    add_screen_args,
     add_model_args,
     add_prompt_args,
     add_tracking_args,
@@ -48,6 +49,7 @@ def add_parser(subparsers) -> None:
     add_decode_args(parser)
     parser.add_argument("--batch-size", type=_types.positive_int, default=SCORE["batch_size"],
                         help="prompts per batched drafter pass (replay)")
+    add_screen_args(parser)
     parser.add_argument("--bootstrap", type=_types.positive_int, default=SCORE["bootstrap"],
                         help="bootstrap resamples for the intervals")
     parser.add_argument("--seed", type=_types.non_negative_int, default=SCORE["seed"], help="bootstrap seed")
@@ -62,13 +64,14 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from prune.progress import progress_bar
     from prune.cache import fingerprint
-    from prune.scoring import cached_scores, cached_trajectories
+    from prune.scoring import cached_scores, cached_trajectories, round_evaluations
     from prune.state import campaign_timing
 
     pair, prompts, drafter_dir, target_path, source = load_pair_and_prompts(args)
     decode, times = decode_config(args, pair, max_new_tokens=args.max_new_tokens)
     config = ScoreConfig(criterion=args.criterion, verify=args.verify, decode=decode, batch_size=args.batch_size,
-                         bootstrap=args.bootstrap, seed=args.seed)
+                         bootstrap=args.bootstrap, seed=args.seed, screen_prompts=args.screen_prompts,
+                         screen_keep=args.screen_keep)
     config.validate()
     ids = [p.input_ids for p in prompts]
     cache = cache_dir(args)
@@ -77,7 +80,8 @@ def run(args) -> int:
     # (decode.cost.LayerCost, fitted on two depths) instead of 36 timings that differ only by noise. The
     # timing and the report are those `prune run` uses and caches for its first round.
     timing = campaign_timing(pair.drafter, config, pair.target, times, cache)
-    with progress_bar("score", pair.drafter.config.num_hidden_layers, enabled=show_progress(args.json)) as advance:
+    evaluations = round_evaluations(config, pair.drafter.config.num_hidden_layers, len(ids))
+    with progress_bar("score", evaluations, enabled=show_progress(args.json)) as advance:
         report = cached_scores(cache, pair.drafter, ids, config, timing, pair.target, trajectories,
                                on_layer=lambda *_: advance()).to_dict()
     report["settings"].update({"drafter": drafter_dir, "target": target_path, "prompts_source": source})
