@@ -126,3 +126,17 @@ def test_a_step_never_removes_more_layers_than_screening_scores_on_every_prompt(
     with pytest.raises(ConfigError, match="raise --screen-keep or pass --screen-prompts 0"):
         RunConfig(per_step=13).validate(36)
     RunConfig(per_step=13, score=ScoreConfig(screen_prompts=0)).validate(36)
+
+
+def test_the_score_table_lists_layers_scored_on_every_prompt_first(setup, capsys):
+    from prune.commands.score import print_table
+
+    target, drafter, prompts, decode = setup
+    config = ScoreConfig(decode=decode, timing_repeats=1, screen_prompts=2, screen_keep=1)
+    report = score_layers(drafter, prompts, config, trajectories=record_trajectories(target, prompts, decode))
+    print_table(report.to_dict())
+    out = capsys.readouterr().out
+    assert "screened on the first 2, 1 layers on all" in out
+    rows = [line.split("│")[1:-1] for line in out.splitlines() if line.startswith("│")]
+    assert [int(row[0]) for row in rows] == [s.layer for s in report.ranking()]
+    assert [int(row[5]) for row in rows] == [4, 2, 2]  # the kept layer on all 4 prompts, the others on 2

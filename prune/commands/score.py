@@ -97,18 +97,25 @@ def run(args) -> int:
 
 
 def print_table(report: dict) -> None:
+    from dataclasses import asdict
+
     from rich.table import Table
 
-    base = report["base"]
-    title = (f"prune score: base tau {base['tau']:.3f} on {report['settings']['prompts']} prompts "
-             f"({report['settings']['criterion']}, {report['settings']['verify']}), least harmful first")
+    from prune.scoring import ScoreReport
+
+    base, settings = report["base"], report["settings"]
+    screened = (f"; screened on the first {settings['screen_prompts']}, {settings['screen_keep']} layers on all"
+                if settings.get("screen_prompts") else "")
+    title = (f"prune score: base tau {base['tau']:.3f} on {settings['prompts']} prompts "
+             f"({settings['criterion']}, {settings['verify']}{screened}), least harmful first")
     table = Table(title=title)
-    for column in ("layer", "original", "delta tau", "95% interval", "tau without", "draft ms", "packed ms",
-                   "pred. speedup"):
+    for column in ("layer", "original", "delta tau", "95% interval", "tau without", "prompts", "draft ms",
+                   "packed ms", "pred. speedup"):
         table.add_column(column, justify="right")
-    for s in sorted(report["layers"], key=lambda s: (s["score"], s["layer"])):
+    for s in map(asdict, ScoreReport.from_dict(report).ranking()):
         speedup = "-" if s["predicted_speedup"] is None else f"{s['predicted_speedup']:.2f}"
         table.add_row(str(s["layer"]), str(s["original_layer"]), f"{s['delta_tau']:+.3f}",
                       f"[{s['ci_low']:+.3f}, {s['ci_high']:+.3f}]", f"{s['tau_without']:.3f}",
-                      f"{s['draft_pass_ms']:.1f}", f"{s['packed_pass_ms']:.1f}", speedup)
+                      str(s["prompts"] or settings["prompts"]), f"{s['draft_pass_ms']:.1f}",
+                      f"{s['packed_pass_ms']:.1f}", speedup)
     stdout_console().print(table)
