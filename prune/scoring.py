@@ -265,15 +265,22 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
     if CRITERIA[config.criterion].needs_speedup and base_speedup is None:
         raise ConfigError(f"the {config.criterion} criterion needs the target's pass times; pass the target")
     original = list(getattr(drafter.config, "original_layer_indices", None) or range(drafter.config.num_hidden_layers))
-    first_pass = {}  # layer -> (its evaluation on the first prompts, its score there)
+    def done(layer: int, score: LayerScore) -> None:
+        """One evaluation finished (or restored from the journal): the round's progress."""
+        if on_layer is not None:
+            on_layer(layer, score)
+
+    screen_speedup = speedup_of(screen_base)
+    first_pass = {}  # layer -> (its evaluation on the first prompts, its score there); screening rounds only
     for layer in range(drafter.config.num_hidden_layers):
-        if layer in journal.layers or layer in journal.screened:
+        if layer in journal.screened or layer in journal.layers:
             first_pass[layer] = journal.screened.get(layer)
+            done(layer, first_pass[layer][1] if first_pass[layer] else journal.layers[layer])
             continue
         reduced = remove_layers(drafter, [layer])
         evaluation = run(reduced, first)
         score = _layer_score(layer, original[layer], screen_base, evaluation, pass_ms(reduced), times,
-                             speedup_of(screen_base), config, prompts=len(evaluation.tau_per_prompt))
+                             screen_speedup, config, prompts=len(evaluation.tau_per_prompt))
         del reduced
         if screen:
             journal.add_screened(layer, evaluation, score)
@@ -281,27 +288,26 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
         else:
             journal.add_layer(score)
         fault_point("score-layer")
-        if on_layer is not None:
-            on_layer(layer, score)
+        done(layer, score)
     if screen:
         ranked = sorted(((layer, entry) for layer, entry in first_pass.items() if entry is not None),
                         key=lambda item: (item[1][1].score, item[0]))
         kept = {layer for layer, _ in ranked[:config.screen_keep]}
         for layer, (evaluation, score) in ranked:
-            if layer in journal.layers:
-                continue
-            if layer in kept:
+            if layer not in kept:
+                if layer not in journal.layers:
+                    journal.add_layer(score)  # left out: its first-pass score is final
+            elif layer in journal.layers:
+                done(layer, journal.layers[layer])
+            else:
                 reduced = remove_layers(drafter, [layer])
                 evaluation = Evaluation.merge(evaluation, run(reduced, slice(screen, None)))
                 del reduced
-                score = _layer_score(layer, original[layer], base, evaluation,
-                                     (score.draft_pass_ms, score.packed_pass_ms), times, base_speedup, config,
-                                     prompts=len(prompts))
-            journal.add_layer(score)  # a layer left out keeps its first-pass score
-            if layer in kept:
+                journal.add_layer(_layer_score(layer, original[layer], base, evaluation,
+                                               (score.draft_pass_ms, score.packed_pass_ms), times, base_speedup,
+                                               config, prompts=len(prompts)))
                 fault_point("score-layer")
-                if on_layer is not None:
-                    on_layer(layer, score)
+                done(layer, journal.layers[layer])
     scores = [journal.layers[layer] for layer in range(drafter.config.num_hidden_layers)]
     settings = {"criterion": config.criterion, "verify": config.verify, "decode": asdict(config.decode),
                 "prompts": len(prompts), "screen_prompts": screen, "screen_keep": config.screen_keep if screen else None,

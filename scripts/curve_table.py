@@ -16,7 +16,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-
 def _state(run: Path) -> dict:
     return json.loads((run / "state.json").read_text())
 

@@ -112,10 +112,12 @@ def test_a_screening_round_resumes_from_its_journal(setup, tmp_path, monkeypatch
                          journal=ScoringJournal(file, "key"))
         monkeypatch.setattr(scoring, "fault_point", lambda name: None)
         monkeypatch.setattr(scoring, "evaluate", lambda *a, **k: evaluated.append(1) or real_evaluate(*a, **k))
+        progress = []
         resumed = score_layers(drafter, prompts, config, trajectories=trajectories, layer_costs=costs,
-                               journal=ScoringJournal(file, "key"))
+                               journal=ScoringJournal(file, "key"), on_layer=lambda *_: progress.append(1))
         monkeypatch.setattr(scoring, "evaluate", real_evaluate)
         assert resumed.to_dict() == whole and len(evaluated) == evaluations_left
+        assert len(progress) == scoring.round_evaluations(config, 3, 4)  # restored evaluations count as done
 
 
 def test_a_step_never_removes_more_layers_than_screening_scores_on_every_prompt():
