@@ -76,6 +76,10 @@ class HealConfig:
             `prune.training.config.TrainConfig`.
         distill_weight: share of the loss that matches the teacher passed to `prune.heal.heal` (the drafter
             before the layers were removed) instead of the target's tokens (`TrainConfig.distill_weight`).
+        min_drop: a campaign heals a step only when the removal lowered calibration tau by at least this
+            fraction of the tau before it (0: every step). A heal of a removal that cost nothing measurable
+            has nothing to recover, and 16 calibration prompts judge it against noise of about this size
+            (docs/design.md, Progressive pruning).
         seed: seeds adapter initialisation, batch order and anchors.
     """
 
@@ -91,9 +95,12 @@ class HealConfig:
     max_length: int = 320
     gamma: float = TrainConfig.gamma
     distill_weight: float = 0.0
+    min_drop: float = 0.01
     seed: int = 0
 
     def validate(self) -> None:
+        if not 0 <= self.min_drop <= 1:
+            raise ConfigError(f"--heal-min-drop {self.min_drop} must be in [0, 1]")
         if self.steps < 0 or self.rank < 1 or self.alpha <= 0:
             raise ConfigError(
                 f"heal steps {self.steps} must be >= 0, LoRA rank {self.rank} >= 1 and alpha {self.alpha} > 0 "
@@ -110,6 +117,10 @@ class RunConfig:
         min_retention: never take a step whose calibration tau falls below this fraction of the unpruned tau.
         per_step: layers removed per step.
         stop_on_speedup: stop when predicted speedup does not improve over the previous step.
+        carry_screen: a screening round after the first step screens by the previous round's scores instead
+            of a first pass over every layer (prune.scoring.score_layers, `carried`): it scores the previous
+            round's `screen_keep` lowest layers on every prompt, and the others only when those no longer
+            score below them. False: every round screens every layer afresh.
         score: scoring settings (criterion, verify mode, decoding).
         heal: LoRA healing settings (steps = 0 disables healing).
     """
@@ -118,6 +129,7 @@ class RunConfig:
     min_retention: float = 0.99
     per_step: int = 1
     stop_on_speedup: bool = True
+    carry_screen: bool = True
     score: ScoreConfig = field(default_factory=ScoreConfig)
     heal: HealConfig = field(default_factory=HealConfig)
 

@@ -17,6 +17,7 @@ prune/config.py.
 
 import functools
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -33,7 +34,7 @@ from .heal import heal
 from .journal import ScoringJournal, remove_journals
 from .progress import progress_bar
 from .report import write_report
-from .scoring import Evaluation, ScoreReport, cached_scores, evaluate, round_evaluations
+from .scoring import Evaluation, ScoreReport, cached_scores, carried_scores, evaluate, round_evaluations
 from .state import BaseRecord, RunState, StepRecord, Timing, campaign_timing, has_run, load_state, save_state
 
 _silent = functools.partial(progress_bar, enabled=False)
@@ -125,7 +126,7 @@ def run_pruning(campaign: Campaign, out, config: RunConfig, resume: bool = False
         k, state.stopped_by = _step_size(config, current.config.num_hidden_layers, removed_total)
         if state.stopped_by is not None:
             break
-        scores = _score_round(run, current, state)
+        scores = _score_round(run, current, state, k)
         healed, record = _remove_and_heal(run, current, scores, sorted(s.layer for s in scores.ranking()[:k]), state)
         state.stopped_by = _stop_rule(config, state, record)
         if state.stopped_by is not None:
@@ -189,21 +190,31 @@ def _step_size(config: RunConfig, layers: int, removed_total: int) -> tuple[int,
     return (k, None) if k >= 1 else (0, "one layer left")
 
 
-def _score_round(run: _Run, current, state: RunState) -> ScoreReport:
-    """Score every layer of `current` (prune.scoring.ScoreReport): from the score cache when `prune score`
-    scored this drafter with these settings, else continuing the round's journal if a killed run left one
-    with the same key (settings, pass times, prompts, trajectories, weights, dtype and device)."""
+def _score_round(run: _Run, current, state: RunState, take: int) -> ScoreReport:
+    """Score every layer of `current` (prune.scoring.ScoreReport) for a step that removes `take`: from the score
+    cache when `prune score` scored this drafter with these settings, else continuing the round's journal if a
+    killed run left one with the same key (settings, pass times, prompts, trajectories, carried scores,
+    weights, dtype and device). After the first step, a screening round starts from the previous round's
+    scores (RunConfig.carry_screen; prune.scoring.score_layers, `carried`)."""
     c = run.campaign
     layers, step = current.config.num_hidden_layers, len(state.history) + 1
+    carried = (carried_scores(state.last.scores, state.last.removed)
+               if state.history and run.config.carry_screen else None)
     journal = ScoringJournal.for_round(run.out, step, state.config, state.timing.to_dict(), c.prompts,
-                                       c.trajectories, *model_identity(current))
+                                       c.trajectories, carried and [asdict(s) for s in carried],
+                                       *model_identity(current))
     if journal.layers or journal.screened:
         run.log(f"step {step}: scoring continues with {len(journal.screened) or len(journal.layers)} of {layers} "
                 "layers evaluated before the interruption")
-    evaluations = round_evaluations(run.config.score, layers, len(c.prompts))
+    evaluations = round_evaluations(run.config.score, layers, len(c.prompts), carried=bool(carried))
+    started = time.monotonic()
     with (run.hooks.progress or _silent)(f"step {step}: scoring", evaluations) as advance:
-        return cached_scores(c.cache, current, c.prompts, run.config.score, state.timing, c.target,
-                             trajectories=c.trajectories, on_layer=lambda *_: advance(), journal=journal, store=False)
+        report = cached_scores(c.cache, current, c.prompts, run.config.score, state.timing, c.target,
+                               trajectories=c.trajectories, on_layer=lambda *_: advance(), journal=journal,
+                               store=False, carried=carried, take=take)
+    fresh = sum(s.age is None for s in report.layers)
+    run.log(f"step {step}: scored {fresh} of {layers} layers in this round ({_minutes(started)})")
+    return report
 
 
 def _remove_and_heal(run: _Run, current, scores: ScoreReport, chosen: list[int], state: RunState):
@@ -217,7 +228,8 @@ def _remove_and_heal(run: _Run, current, scores: ScoreReport, chosen: list[int],
                             removed.packed_share, removed.packed_tokens)
     else:
         before = run.evaluate(reduced)
-    healed, measured, losses, rolled_back = _heal(run, reduced, before, step)
+    previous = state.last.tau if state.history else state.base.tau
+    healed, measured, losses, rolled_back = _heal(run, reduced, before, previous, step)
     layers = healed.config.num_hidden_layers
     record = StepRecord(
         step=step, folder=f"step-{step:02d}", removed=chosen,
@@ -229,20 +241,34 @@ def _remove_and_heal(run: _Run, current, scores: ScoreReport, chosen: list[int],
     return healed, record
 
 
-def _heal(run: _Run, reduced, before: Evaluation, step: int):
-    """LoRA-heal `reduced` (measured as `before`), keeping the heal only if it does not lower tau; returns
-    (drafter, its Evaluation, heal loss history, whether the heal was rolled back)."""
-    examples = run.campaign.heal_examples
-    if not (examples and run.config.heal.steps > 0):
+def _heal(run: _Run, reduced, before: Evaluation, previous_tau: float, step: int):
+    """LoRA-heal `reduced` (measured as `before`; the drafter it was cut from measured `previous_tau`) when the
+    removal cost at least `HealConfig.min_drop` of that tau, keeping the heal only if it does not lower tau;
+    returns (drafter, its Evaluation, heal loss history, whether the heal was rolled back)."""
+    examples, config = run.campaign.heal_examples, run.config.heal
+    if not (examples and config.steps > 0):
         return reduced, before, [], False
+    drop = 1 - before.tau / previous_tau if previous_tau > 0 else 0.0
+    if config.min_drop > 0 and drop < config.min_drop:
+        run.log(f"step {step}: the removal cost {drop:+.2%} of calibration tau (< --heal-min-drop "
+                f"{config.min_drop:.2%}): not healed")
+        return reduced, before, [], False
+    started = time.monotonic()
     # The teacher of a distilling heal is the unpruned drafter: what every step tries to stay close to.
-    candidate, losses = heal(reduced, examples, run.config.heal, teacher=run.campaign.drafter)
+    candidate, losses = heal(reduced, examples, config, teacher=run.campaign.drafter)
     candidate = round_to_dtype(candidate, run.dtype)  # judge the heal by the weights that are exported
     after = run.evaluate(candidate)
+    run.log(f"step {step}: healed in {_minutes(started)}: tau {before.tau:.3f} -> {after.tau:.3f}")
     if after.tau >= before.tau:
         return candidate, after, losses, False
     run.log(f"step {step}: healing lowered tau ({after.tau:.3f} < {before.tau:.3f}); kept the pre-heal weights")
     return reduced, before, losses, True
+
+
+def _minutes(started: float) -> str:
+    """Wall time since `started` (time.monotonic()) as M:SS."""
+    seconds = round(time.monotonic() - started)
+    return f"{seconds // 60}:{seconds % 60:02d}"
 
 
 def _stop_rule(config: RunConfig, state: RunState, record: StepRecord) -> str | None:

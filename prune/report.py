@@ -36,8 +36,10 @@ def _markdown(state: RunState, plots: list[Path]) -> str:
         "| step | removed | layers | tau before heal | tau | retention | heal | predicted speedup |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    # A step without heal losses was not healed: healing was off, or the removal cost too little to heal.
+    healing = "not needed" if state.config.get("heal", {}).get("steps") else "off"
     for h in state.history:
-        heal = "rolled back" if h.heal_rolled_back else ("kept" if h.heal_loss else "off")
+        heal = "rolled back" if h.heal_rolled_back else ("kept" if h.heal_loss else healing)
         lines.append(f"| {h.step} | {h.removed_original} | {h.layers} | {h.tau_before_heal:.3f} | "
                      f"{h.tau:.3f} | {h.retention:.4f} | {heal} | {number(h.predicted_speedup, 2, 'x')} |")
     lines += _speed_lines(state.speed)

@@ -12,7 +12,7 @@ target's pass times measured once, each reduced drafter's own pass times, its ta
 fallback rate). Settings: prune.config.ScoreConfig; reports are cached by prune.cache.score_key.
 """
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -85,7 +85,9 @@ class Evaluation:
 class LayerScore:
     """One layer's score; indices are 0-based (current numbering and in the unpruned drafter). `prompts`:
     the calibration prompts it stands on (fewer than the round's where screening left the layer out after
-    its first pass; None in reports from before screening)."""
+    its first pass; None in reports from before screening). `age`: None for a score measured in this round;
+    k for one carried from the round k steps before (a campaign's round that screens by the previous
+    round's ranking keeps the old score of a layer it does not evaluate again)."""
 
     layer: int
     original_layer: int
@@ -102,6 +104,7 @@ class LayerScore:
     packed_share: float | None = None
     packed_tokens: float | None = None
     prompts: int | None = None
+    age: int | None = None
 
 
 @dataclass
@@ -119,10 +122,10 @@ class ScoreReport:
     pass_times: dict | None = None
 
     def ranking(self) -> list[LayerScore]:
-        """Layers from least to most harmful to remove: those scored on every prompt first, then those a
-        screening round scored on its first prompts only (ScoreConfig.screen_prompts)."""
-        every = max((s.prompts or 0) for s in self.layers) if self.layers else 0
-        return sorted(self.layers, key=lambda s: ((s.prompts or every) < every, s.score, s.layer))
+        """Layers from least to most harmful to remove: those scored in this round on every prompt first,
+        then those a screening round scored on its first prompts only (ScoreConfig.screen_prompts), then
+        scores carried from an earlier round (LayerScore.age)."""
+        return sorted(self.layers, key=rank_key(self.layers))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -133,6 +136,19 @@ class ScoreReport:
         fields = {**document, "base": Evaluation(**document["base"]),
                   "layers": [LayerScore(**s) for s in document["layers"]]}
         return cls(**fields)
+
+
+def rank_key(scores: list[LayerScore]):
+    """The sort key of `ScoreReport.ranking` for the layer scores `scores` of one round."""
+    every = max((s.prompts or 0) for s in scores) if scores else 0
+    return lambda s: ((s.age or 0) > 0, (s.prompts or every) < every, s.score, s.layer)
+
+
+def carried_scores(previous: list[LayerScore], removed: list[int]) -> list[LayerScore]:
+    """The scores of a round, `previous`, carried to the drafter without its layers `removed` (indices in
+    the drafter that round scored): the remaining layers' scores, renumbered, one round older."""
+    kept = [s for s in sorted(previous, key=lambda s: s.layer) if s.layer not in set(removed)]
+    return [replace(s, layer=index, age=(s.age or 0) + 1) for index, s in enumerate(kept)]
 
 
 def record_trajectories(target, prompts: list[list[int]], config: DecodeConfig) -> list[list[int]]:
@@ -200,15 +216,19 @@ class ScoringMemory:
         """Nothing to save in memory."""
 
 
-def round_evaluations(config: ScoreConfig, layers: int, prompts: int) -> int:
+def round_evaluations(config: ScoreConfig, layers: int, prompts: int, carried: bool = False) -> int:
     """Evaluations (calls of `on_layer`) in a scoring round of `layers` layers on `prompts` prompts: one per
-    layer, and one more per layer that a screening round scores on the rest of the prompts."""
-    return layers + (min(config.screen_keep, layers) if config.screen(prompts) else 0)
+    layer, and one more per layer that a screening round scores on the rest of the prompts. A screening round
+    with `carried` scores (score_layers) evaluates only the carried candidates, unless they fail its check."""
+    if not config.screen(prompts):
+        return layers
+    return min(config.screen_keep, layers) if carried else layers + min(config.screen_keep, layers)
 
 
 def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=None, trajectories=None,
                  on_layer=None, times: cost.PassTimes | None = None,
-                 layer_costs: tuple[cost.LayerCost, cost.LayerCost] | None = None, journal=None) -> ScoreReport:
+                 layer_costs: tuple[cost.LayerCost, cost.LayerCost] | None = None, journal=None,
+                 carried: list[LayerScore] | None = None, take: int = 1) -> ScoreReport:
     """Score every layer of `drafter` (see the module docstring).
 
     Args:
@@ -217,7 +237,8 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
             are given, and for the target pass times of the speedup prediction.
         trajectories: recorded greedy trajectories (prompt + output) per prompt, for replay.
         on_layer: optional callback(layer index, LayerScore) after each evaluation of a layer, e.g. a progress
-            bar (`round_evaluations` calls in all; a screened layer's first call has its first-pass score).
+            bar (`round_evaluations` calls in all, more when carried scores fail their check; a screened
+            layer's first call has its first-pass score).
         times: the pair's pass times (decode.timing.measure_pass_times); None measures them when a target
             is given. The target's times are shared by every layer.
         layer_costs: (sync draft, packed) pass time as functions of depth (decode.timing.drafter_layer_costs):
@@ -227,6 +248,12 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
         journal: optional store of this round's evaluations (a ScoringMemory; prune.journal.ScoringJournal
             keeps it on disk): what it holds is not evaluated again and each new evaluation is added as it
             finishes, so a killed round resumes at the evaluation it was running.
+        carried: the previous round's scores of this drafter's layers (`carried_scores`), in a screening round
+            of a campaign: they replace the first pass. The `screen_keep` lowest are scored on every prompt;
+            when the `take` lowest of those (the layers the step will remove) still score no higher than every
+            other carried score, the others keep their carried scores, else they get a first pass and the
+            round screens as usual. Without screening, carried scores are not used.
+        take: layers the caller removes after this round (the check above).
     """
     config.validate()
     if config.verify == "replay" and trajectories is None:
@@ -270,9 +297,47 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
         if on_layer is not None:
             on_layer(layer, score)
 
+    layers = drafter.config.num_hidden_layers
+
+    def score_fully(layer: int, first: tuple[Evaluation, LayerScore] | None = None) -> None:
+        """Score `layer` on every prompt: pooling its first-pass evaluation `first` with the other prompts when
+        it has one, else on all of them."""
+        reduced = remove_layers(drafter, [layer])
+        if first is None:
+            evaluation, ms = run(reduced), pass_ms(reduced)
+        else:
+            evaluation = Evaluation.merge(first[0], run(reduced, slice(screen, None)))
+            ms = (first[1].draft_pass_ms, first[1].packed_pass_ms)
+        del reduced
+        journal.add_layer(_layer_score(layer, original[layer], base, evaluation, ms, times, base_speedup, config,
+                                       prompts=len(prompts)))
+        fault_point("score-layer")
+        done(layer, journal.layers[layer])
+
+    # A campaign's later rounds screen by the previous round's ranking (`carried`): its lowest layers are scored
+    # on every prompt, and while the lowest `take` of them still score below every layer left out, the others
+    # keep their carried scores; otherwise the left-out layers get a first pass as in any screening round.
+    candidates: list[int] = []
+    if screen and carried:
+        order = sorted(carried, key=rank_key(carried))
+        candidates = [s.layer for s in order[:config.screen_keep]]
+        for layer in candidates:
+            if layer in journal.layers:
+                done(layer, journal.layers[layer])
+            else:
+                score_fully(layer)
+        left_out = order[config.screen_keep:]
+        lowest = sorted(journal.layers[layer].score for layer in candidates)[:take]
+        if not left_out or max(lowest) <= min(s.score for s in left_out):
+            for carried_score in left_out:
+                if carried_score.layer not in journal.layers:
+                    journal.add_layer(carried_score)
+            return _report(drafter, journal, config, prompts, screen, times, base_draft_ms, base_packed_ms,
+                           base_speedup, block)
+
     screen_speedup = speedup_of(screen_base)
     first_pass = {}  # layer -> (its evaluation on the first prompts, its score there); screening rounds only
-    for layer in range(drafter.config.num_hidden_layers):
+    for layer in (layer for layer in range(layers) if layer not in candidates):
         if layer in journal.screened or layer in journal.layers:
             first_pass[layer] = journal.screened.get(layer)
             done(layer, first_pass[layer][1] if first_pass[layer] else journal.layers[layer])
@@ -290,24 +355,29 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
         fault_point("score-layer")
         done(layer, score)
     if screen:
-        ranked = sorted(((layer, entry) for layer, entry in first_pass.items() if entry is not None),
-                        key=lambda item: (item[1][1].score, item[0]))
-        kept = {layer for layer, _ in ranked[:config.screen_keep]}
-        for layer, (evaluation, score) in ranked:
+        # Layers scored on every prompt already (carried candidates) take their places among the kept.
+        ranked = sorted([(entry[1].score, layer) for layer, entry in first_pass.items() if entry is not None]
+                        + [(journal.layers[layer].score, layer) for layer in candidates])
+        kept = {layer for _, layer in ranked[:config.screen_keep]}
+        for _, layer in ranked:
+            if layer in candidates:
+                continue
             if layer not in kept:
                 if layer not in journal.layers:
-                    journal.add_layer(score)  # left out: its first-pass score is final
+                    journal.add_layer(first_pass[layer][1])  # left out: its first-pass score is final
             elif layer in journal.layers:
                 done(layer, journal.layers[layer])
             else:
-                reduced = remove_layers(drafter, [layer])
-                evaluation = Evaluation.merge(evaluation, run(reduced, slice(screen, None)))
-                del reduced
-                journal.add_layer(_layer_score(layer, original[layer], base, evaluation,
-                                               (score.draft_pass_ms, score.packed_pass_ms), times, base_speedup,
-                                               config, prompts=len(prompts)))
-                fault_point("score-layer")
-                done(layer, journal.layers[layer])
+                score_fully(layer, first_pass[layer])
+    return _report(drafter, journal, config, prompts, screen, times, base_draft_ms, base_packed_ms, base_speedup,
+                   block)
+
+
+def _report(drafter, journal: ScoringMemory, config: ScoreConfig, prompts: list, screen: int,
+            times: cost.PassTimes | None, base_draft_ms: float, base_packed_ms: float, base_speedup: float | None,
+            block: int) -> ScoreReport:
+    """The ScoreReport of a finished round (every layer's score in `journal`)."""
+    base = journal.base
     scores = [journal.layers[layer] for layer in range(drafter.config.num_hidden_layers)]
     settings = {"criterion": config.criterion, "verify": config.verify, "decode": asdict(config.decode),
                 "prompts": len(prompts), "screen_prompts": screen, "screen_keep": config.screen_keep if screen else None,
@@ -341,21 +411,25 @@ def cached_trajectories(folder: Path | None, target, prompts: list[list[int]], d
 
 
 def cached_scores(folder: Path | None, drafter, prompts: list[list[int]], config: ScoreConfig, timing, target,
-                  trajectories=None, on_layer=None, journal=None, store: bool = True) -> ScoreReport:
+                  trajectories=None, on_layer=None, journal=None, store: bool = True,
+                  carried: list[LayerScore] | None = None, take: int = 1) -> ScoreReport:
     """`score_layers` with the pass times of a campaign's `timing` (prune.state.Timing), cached under `folder`
     by prune.cache.score_key (no cache when folder or target is None; `store` False reads the cache but adds
     nothing to it): `prune score`, `prune run` and sweep trials with the same drafter, prompts, target and
     settings share the report. A report taken from the cache calls `on_layer` for no layer and is recorded
-    in `journal` whole, as a computed round leaves it."""
+    in `journal` whole, as a computed round leaves it. A round that uses `carried` scores (score_layers) is
+    never stored: it is not the full round that `prune score` caches."""
     layers = drafter.config.num_hidden_layers
 
     def score() -> ScoreReport:
         return score_layers(drafter, prompts, config, target=target, trajectories=trajectories, on_layer=on_layer,
-                            times=timing.pass_times(layers), layer_costs=timing.layer_costs(), journal=journal)
+                            times=timing.pass_times(layers), layer_costs=timing.layer_costs(), journal=journal,
+                            carried=carried, take=take)
 
     if folder is None or target is None:
         return score()
     key = score_key(drafter, target, prompts, config, timing.to_dict())
+    store = store and not (carried and config.screen(len(prompts)))
     report = ScoreReport.from_dict(cached_json(Path(folder) / "scores", key, lambda: score().to_dict(), store))
     if journal is not None and len(journal.layers) < len(report.layers):
         journal.record(report.base, report.layers)

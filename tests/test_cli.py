@@ -197,10 +197,12 @@ def test_bench_baselines_and_decoder_lists(pair_dirs, second_drafter, capsys, tm
 
 
 def error_of(capsys, argv) -> str:
+    """The one-line error of a command that fails (exit 1): its last line of stderr, after any progress lines."""
     assert main(argv) == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith("Error: ") and "\n" not in err and "Traceback" not in err
-    return err
+    *progress, last = err.splitlines()
+    assert last.startswith("Error: ") and "Traceback" not in err and not any("Error" in line for line in progress)
+    return last
 
 
 def usage_error_of(capsys, argv) -> str:

@@ -94,7 +94,7 @@ def run_args(pair: Path, out: Path, *extra: str, cache: Path | None = None) -> l
     return ["run", "--drafter", str(pair / "drafter"), "--target", str(pair / "target"), "--prompts",
             str(pair / "prompts.jsonl"), "--max-new-tokens", "16", "--out", str(out), "--layers-to-remove", "2",
             "--min-retention", "0.01", "--no-speedup-stop", "--heal-data", str(pair / "heal"), "--heal-steps", "3",
-            "--lora-rank", "2", "--lora-alpha", "4", "--speed-prompts", "0", "--no-wandb",
+            "--heal-min-drop", "0", "--lora-rank", "2", "--lora-alpha", "4", "--speed-prompts", "0", "--no-wandb",
             "--cache-dir", str(cache or pair / "cache"), *extra]
 
 

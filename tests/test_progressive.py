@@ -23,7 +23,7 @@ def campaign(tmp_path_factory):
 def config_of(decode, **overrides) -> RunConfig:
     settings = dict(layers_to_remove=2, min_retention=0.05, stop_on_speedup=False,
                     score=ScoreConfig(decode=decode, timing_repeats=1, bootstrap=20),
-                    heal=HealConfig(steps=3, rank=2, alpha=4, batch_size=2, lr=1e-3))
+                    heal=HealConfig(steps=3, rank=2, alpha=4, batch_size=2, lr=1e-3, min_drop=0.0))
     settings.update(overrides)
     return RunConfig(**settings)
 
@@ -87,10 +87,33 @@ def test_a_campaign_continues_from_an_exported_step(campaign, tmp_path):
 
 def test_a_heal_that_hurts_is_rolled_back(campaign, tmp_path):
     decode = campaign[4]
-    ruinous = HealConfig(steps=4, rank=8, alpha=512, batch_size=2, lr=0.5)
+    ruinous = HealConfig(steps=4, rank=8, alpha=512, batch_size=2, lr=0.5, min_drop=0.0)
     state = run(campaign, tmp_path / "out", config_of(decode, layers_to_remove=1, heal=ruinous))
     step = state["history"][0]
     assert step["heal_rolled_back"] is True and step["tau"] == step["tau_before_heal"]
+
+
+def test_a_step_is_healed_only_when_its_removal_cost_enough_tau(campaign, tmp_path):
+    decode = campaign[4]
+    logged = []
+    target, drafter, root, prompts, _, trajectories, examples = campaign
+    config = config_of(decode, heal=HealConfig(steps=3, rank=2, alpha=4, batch_size=2, lr=1e-3, min_drop=0.0))
+    every = run(campaign, tmp_path / "every", config)
+    drops = [1 - h["tau_before_heal"] / before for h, before in
+             zip(every["history"], [every["base"]["tau"]] + [h["tau"] for h in every["history"]])]
+    assert all(h["heal_loss"] for h in every["history"])  # min_drop 0: every step healed
+    # A threshold between the two steps' losses heals exactly the steps that lost more than it.
+    threshold = (min(drops) + max(drops)) / 2 if min(drops) != max(drops) else max(drops) + 1e-9
+    config.heal.min_drop = max(threshold, 1e-9)
+    some = run_pruning(Campaign(drafter, root / "source", prompts, target, trajectories, examples), tmp_path / "some",
+                       config, hooks=RunHooks(log=logged.append)).to_dict()
+    first = some["history"][0]
+    assert first["removed_original"] == every["history"][0]["removed_original"]
+    healed = drops[0] >= config.heal.min_drop
+    assert bool(first["heal_loss"]) == healed and (healed or first["tau"] == first["tau_before_heal"])
+    assert healed or any("not healed" in line for line in logged)
+    if not healed:
+        assert "| not needed |" in (tmp_path / "some" / "report.md").read_text()
 
 
 def test_retention_floor_stops_before_the_step(campaign, tmp_path):
@@ -161,3 +184,28 @@ def test_a_scoring_round_is_continued_only_on_the_device_and_dtype_it_began_on(c
     monkeypatch.setattr(progressive, "model_identity", lambda model: [*real_identity(model)[:2], "cuda:0"])
     run(campaign, tmp_path / "out", config, resume=True)
     assert len(evaluated) == 4  # the base and all three layers again: the journal was another device's
+
+
+def test_later_rounds_screen_by_the_previous_rounds_scores(campaign, tmp_path):
+    """Step 2's round scores the previous round's lowest layer afresh and carries the other's score (renumbered,
+    one round older) while the fresh one stays below it; with carry_screen off it screens every layer."""
+    decode = campaign[4]
+    screening = ScoreConfig(decode=decode, timing_repeats=1, bootstrap=20, screen_prompts=2, screen_keep=1)
+    carried = run(campaign, tmp_path / "carried", config_of(decode, score=screening, heal=HealConfig(steps=0)))
+    afresh = run(campaign, tmp_path / "afresh", config_of(decode, score=screening, heal=HealConfig(steps=0),
+                                                           carry_screen=False))
+    first, second = carried["history"]
+    assert first["removed_original"] == afresh["history"][0]["removed_original"]
+    assert all("age" not in s for s in first["scores"] + afresh["history"][1]["scores"])
+    left = [s for s in first["scores"] if s["layer"] not in first["removed"]]
+    candidate = min(left, key=lambda s: ((s["prompts"] or 3) < 3, s["score"], s["layer"]))
+    by_original = {s["original_layer"]: s for s in second["scores"]}
+    assert "age" not in by_original[candidate["original_layer"]]  # scored afresh, on every prompt
+    assert by_original[candidate["original_layer"]]["prompts"] == 3
+    (other,) = [s for s in left if s is not candidate]
+    carried_score = by_original[other["original_layer"]]
+    # The candidate still scores below the carried score here, so that score is kept as it was.
+    assert carried_score["age"] == 1 and carried_score["score"] == other["score"]
+    assert carried_score["layer"] == other["layer"] - sum(r < other["layer"] for r in first["removed"])
+    assert by_original[candidate["original_layer"]]["score"] <= other["score"]
+    assert second["removed_original"] == [candidate["original_layer"]]

@@ -120,6 +120,67 @@ def test_a_screening_round_resumes_from_its_journal(setup, tmp_path, monkeypatch
         assert len(progress) == scoring.round_evaluations(config, 3, 4)  # restored evaluations count as done
 
 
+def test_a_round_screens_by_carried_scores_while_its_candidates_stay_below_the_rest(setup, tmp_path, monkeypatch):
+    """A campaign's later round: the carried ranking's lowest layers are scored on every prompt; the others keep
+    their carried scores only while the candidates still score below them, else they are screened afresh."""
+    from dataclasses import replace
+
+    import prune.scoring as scoring
+    from decode.cost import LayerCost
+    from prune.journal import ScoringJournal
+
+    target, drafter, prompts, decode = setup  # 3 layers, 4 prompts
+    trajectories = record_trajectories(target, prompts, decode)
+    config = ScoreConfig(decode=decode, timing_repeats=1, screen_prompts=2, screen_keep=2)
+    costs = (LayerCost(1.0, 2.0), LayerCost(1.0, 3.0))
+    full = score_layers(drafter, prompts, replace(config, screen_prompts=0), trajectories=trajectories,
+                        layer_costs=costs)
+    half = score_layers(drafter, prompts[:2], replace(config, screen_prompts=0), trajectories=trajectories[:2],
+                        layer_costs=costs)
+
+    def carried(*values):  # a previous round's scores of layers 0, 1, 2
+        return [replace(s, score=v, age=1) for s, v in zip(full.layers, values)]
+
+    def scored(previous, journal=None):
+        calls = []
+        report = score_layers(drafter, prompts, config, trajectories=trajectories, layer_costs=costs,
+                              carried=previous, journal=journal, on_layer=lambda *_: calls.append(1))
+        return report, len(calls)
+
+    # Layer 1 carried far above the others: only layers 0 and 2 are evaluated, layer 1 keeps its old score.
+    trusted, calls = scored(carried(0.0, 9.0, 0.1))
+    assert calls == scoring.round_evaluations(config, 3, 4, carried=True) == 2
+    assert trusted.layers[1] == carried(0.0, 9.0, 0.1)[1]
+    for layer in (0, 2):
+        fresh, whole = trusted.layers[layer], full.layers[layer]
+        assert fresh.age is None and fresh.prompts == 4 and fresh.score == pytest.approx(whole.score)
+    assert [s.layer for s in trusted.ranking()][2] == 1  # carried scores rank after this round's
+    assert trusted.base.tau_per_prompt == full.base.tau_per_prompt
+
+    # Layer 2 carried below anything the candidates 0 and 1 score now: it gets a first pass, and the kept two of
+    # all three are scored on every prompt, as in a round without carried scores.
+    distrusted, calls = scored(carried(-9.0, -9.0, -8.0))
+    kept_all = distrusted.layers[2].prompts == 4
+    assert all(s.age is None for s in distrusted.layers) and calls == 2 + 1 + kept_all
+    ranked = sorted([(full.layers[0].score, 0), (full.layers[1].score, 1), (half.layers[2].score, 2)])
+    assert kept_all == (2 in {layer for _, layer in ranked[:2]})
+    expected = full.layers[2] if kept_all else half.layers[2]
+    assert distrusted.layers[2].score == pytest.approx(expected.score)
+
+    # A carried round killed after its first evaluation resumes from its journal to the same report.
+    def killed(name):
+        raise KeyboardInterrupt
+
+    journal = tmp_path / "journal.json"
+    monkeypatch.setattr(scoring, "fault_point", killed)
+    with pytest.raises(KeyboardInterrupt):
+        scored(carried(0.0, 9.0, 0.1), ScoringJournal(journal, "key"))
+    monkeypatch.setattr(scoring, "fault_point", lambda name: None)
+    assert len(ScoringJournal(journal, "key").layers) == 1
+    resumed, calls = scored(carried(0.0, 9.0, 0.1), ScoringJournal(journal, "key"))
+    assert resumed.to_dict() == trusted.to_dict() and calls == 2
+
+
 def test_a_step_never_removes_more_layers_than_screening_scores_on_every_prompt():
     from models.errors import ConfigError
     from prune.config import RunConfig

@@ -42,7 +42,7 @@ def run_args(root, out, *extra):
     return ["run", "--drafter", str(root / "drafter"), "--target", str(root / "target"), "--prompts",
             str(root / "prompts.jsonl"), "--max-new-tokens", "12", "--out", str(out), "--layers-to-remove", "2",
             "--min-retention", "0.01", "--no-speedup-stop", "--heal-data", str(root / "heal"), "--heal-steps", "2",
-            "--lora-rank", "2", "--lora-alpha", "4", *extra]
+            "--heal-min-drop", "0", "--lora-rank", "2", "--lora-alpha", "4", *extra]
 
 
 def offline_run(folder, wait_s: float = 20.0):

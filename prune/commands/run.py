@@ -64,6 +64,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--per-step", type=_types.positive_int, default=RUN["per_step"], help="layers removed per step")
     parser.add_argument("--no-speedup-stop", action="store_true",
                         help="do not stop when predicted speedup stops improving")
+    parser.add_argument("--no-carry-screen", action="store_true",
+                        help="screen every layer afresh in every scoring round (default: after the first step, "
+                        "a round scores the previous round's --screen-keep lowest layers, and the others only "
+                        "when those no longer score below them)")
     parser.add_argument("--criterion", choices=tuple(CRITERIA), default=SCORE["criterion"],
                         help=f"layer scoring criterion ({describe()})")
     parser.add_argument("--verify", choices=VERIFY_MODES, default=SCORE["verify"], help="verification in scoring")
@@ -79,6 +83,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--heal-distill", type=_types.fraction, default=HEAL["distill_weight"], metavar="W",
                         help="share of the heal loss that matches the unpruned drafter's predictions (KL) instead of "
                         "the target's tokens (0: the target's tokens only)")
+    parser.add_argument("--heal-min-drop", type=_types.fraction, default=HEAL["min_drop"], metavar="F",
+                        help="heal a step only when its removal lowered calibration tau by at least this fraction "
+                        "(0: heal every step)")
     parser.add_argument("--seed", type=_types.non_negative_int, default=SCORE["seed"],
                         help="seeds healing and the bootstrap")
     add_export_dtype_arg(parser)
@@ -148,11 +155,12 @@ def run_config(args, decode, healing: bool) -> RunConfig:
     """The RunConfig of `prune run`'s flags (`healing`: there are heal examples; without, no heal steps)."""
     return RunConfig(
         layers_to_remove=args.layers_to_remove, min_retention=args.min_retention, per_step=args.per_step,
-        stop_on_speedup=not args.no_speedup_stop,
+        stop_on_speedup=not args.no_speedup_stop, carry_screen=not args.no_carry_screen,
         score=ScoreConfig(criterion=args.criterion, verify=args.verify, decode=decode, seed=args.seed,
                           screen_prompts=args.screen_prompts, screen_keep=args.screen_keep),
         heal=HealConfig(steps=args.heal_steps if healing else 0, rank=args.lora_rank, alpha=args.lora_alpha,
-                        lr=args.heal_lr, distill_weight=args.heal_distill, seed=args.seed),
+                        lr=args.heal_lr, distill_weight=args.heal_distill, min_drop=args.heal_min_drop,
+                        seed=args.seed),
     )
 
 
