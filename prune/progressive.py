@@ -3,8 +3,8 @@
 Each step scores the remaining layers (prune.scoring), removes the `per_step` least harmful ones, heals
 with LoRA (prune.heal) and keeps the healed weights only if they do not lower calibration tau, then
 exports the step to OUT/step-XX and records it in OUT/state.json. The run stops at a layer budget, at a
-retention floor, or when predicted speedup stops improving (a step that breaks a rule is not taken); the
-state says which rule stopped it. A run resumes from its last completed step, and an unfinished scoring round
+retention floor, or when predicted speedup falls a tolerance below the best so far (a step that breaks a rule
+is not taken); the state says which rule stopped it. A run resumes from its last completed step, and an unfinished scoring round
 from its last evaluated layer (prune.journal): a run killed at any moment and resumed ends with the same
 steps, byte for byte, as one never interrupted.
 
@@ -277,9 +277,15 @@ def _stop_rule(config: RunConfig, state: RunState, record: StepRecord) -> str | 
         return (f"retention floor: removing original layers {record.removed_original} would keep "
                 f"{record.retention:.4f} < {config.min_retention}")
     speedup = record.predicted_speedup
-    previous = state.last.predicted_speedup if state.history else state.base.predicted_speedup
-    if config.stop_on_speedup and speedup is not None and previous is not None and speedup <= previous:
-        return f"predicted speedup stopped improving ({speedup:.3f} <= {previous:.3f})"
+    earlier = [("the unpruned drafter", state.base.predicted_speedup)] + [
+        (f"step {h.step}", h.predicted_speedup) for h in state.history]
+    earlier = [(name, value) for name, value in earlier if value is not None]
+    if not (config.stop_on_speedup and speedup is not None and earlier):
+        return None
+    name, best = max(earlier, key=lambda item: item[1])
+    if speedup <= best * (1 - config.speedup_tolerance):
+        below = f"more than {config.speedup_tolerance:.1%} " if config.speedup_tolerance else ""
+        return f"predicted speedup {below}below the best ({speedup:.3f} <= {best:.3f}, {name})"
     return None
 
 

@@ -231,7 +231,7 @@ class RunState:
         base: the unpruned drafter (BaseRecord).
         history: the steps taken (StepRecord), in order.
         stopped_by: the stop rule that ended the run ("layer budget", "retention floor: ...", "one layer left",
-            "predicted speedup stopped improving (...)", or a caller's reason), None while it runs.
+            "predicted speedup ... below the best (...)", or a caller's reason), None while it runs.
         speed: the measured speed check (SpeedCheck), None until it ran.
     """
 

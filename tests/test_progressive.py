@@ -209,3 +209,26 @@ def test_later_rounds_screen_by_the_previous_rounds_scores(campaign, tmp_path):
     assert carried_score["layer"] == other["layer"] - sum(r < other["layer"] for r in first["removed"])
     assert by_original[candidate["original_layer"]]["score"] <= other["score"]
     assert second["removed_original"] == [candidate["original_layer"]]
+
+
+def test_a_step_is_taken_while_its_predicted_speedup_stays_within_the_tolerance_of_the_best():
+    from prune.progressive import _stop_rule
+    from prune.state import BaseRecord, RunState, StepRecord
+
+    def step(number, speedup, retention=1.0):
+        return StepRecord(number, f"step-{number:02d}", [0], [number], 4 - number, 2.0, 2.0 * retention, retention,
+                          False, speedup, [], [])
+
+    state = RunState({}, "source", None, BaseRecord(2.0, 0.1, 1.30), [step(1, 1.35), step(2, 1.34)])
+    tolerant, strict = RunConfig(speedup_tolerance=0.01), RunConfig(speedup_tolerance=0.0)
+    assert _stop_rule(tolerant, state, step(3, 1.34)) is None  # 0.7 % below step 1's 1.35
+    assert _stop_rule(tolerant, state, step(3, 1.33)) == (
+        "predicted speedup more than 1.0% below the best (1.330 <= 1.350, step 1)")
+    assert _stop_rule(strict, state, step(3, 1.35)) == "predicted speedup below the best (1.350 <= 1.350, step 1)"
+    assert _stop_rule(strict, state, step(3, 1.36)) is None
+    assert _stop_rule(RunConfig(stop_on_speedup=False), state, step(3, 0.5)) is None
+    assert _stop_rule(tolerant, state, step(3, 1.5, retention=0.98)).startswith("retention floor")
+    first = RunState({}, "source", None, BaseRecord(2.0, 0.1, 1.30), [])
+    assert "the unpruned drafter" in _stop_rule(tolerant, first, step(1, 1.28))
+    with pytest.raises(ConfigError, match="--speedup-tolerance"):
+        RunConfig(speedup_tolerance=1.0).validate(4)

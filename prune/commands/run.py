@@ -48,7 +48,7 @@ def add_parser(subparsers) -> None:
         "trajectories), remove the least harmful (--per-step at a time), heal with a short LoRA fine-tune on "
         "distillation data (kept only if it does not lower tau), export the step to OUT/step-XX, repeat. "
         "Stops at --layers-to-remove, at --min-retention of the unpruned calibration tau, or when predicted "
-        "speedup stops improving. OUT/final points at the last step taken." + EXAMPLES,
+        "speedup falls --speedup-tolerance below the best so far. OUT/final points at the last step taken." + EXAMPLES,
     )
     add_model_args(parser)
     add_prompt_args(parser, default_suite="humaneval:calib", max_new_tokens=64, limit=16)
@@ -63,7 +63,10 @@ def add_parser(subparsers) -> None:
                         help="never take a step below this fraction of the unpruned calibration tau")
     parser.add_argument("--per-step", type=_types.positive_int, default=RUN["per_step"], help="layers removed per step")
     parser.add_argument("--no-speedup-stop", action="store_true",
-                        help="do not stop when predicted speedup stops improving")
+                        help="do not stop when predicted speedup falls below the best so far")
+    parser.add_argument("--speedup-tolerance", type=_types.fraction, default=RUN["speedup_tolerance"], metavar="F",
+                        help="take a step whose predicted speedup is less than this fraction below the best so far "
+                        "(0: every step must improve on the best)")
     parser.add_argument("--no-carry-screen", action="store_true",
                         help="screen every layer afresh in every scoring round (default: after the first step, "
                         "a round scores the previous round's --screen-keep lowest layers, and the others only "
@@ -155,7 +158,8 @@ def run_config(args, decode, healing: bool) -> RunConfig:
     """The RunConfig of `prune run`'s flags (`healing`: there are heal examples; without, no heal steps)."""
     return RunConfig(
         layers_to_remove=args.layers_to_remove, min_retention=args.min_retention, per_step=args.per_step,
-        stop_on_speedup=not args.no_speedup_stop, carry_screen=not args.no_carry_screen,
+        stop_on_speedup=not args.no_speedup_stop, speedup_tolerance=args.speedup_tolerance,
+        carry_screen=not args.no_carry_screen,
         score=ScoreConfig(criterion=args.criterion, verify=args.verify, decode=decode, seed=args.seed,
                           screen_prompts=args.screen_prompts, screen_keep=args.screen_keep),
         heal=HealConfig(steps=args.heal_steps if healing else 0, rank=args.lora_rank, alpha=args.lora_alpha,
