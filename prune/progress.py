@@ -42,12 +42,13 @@ def _line_reporter(description: str, total: int, every_s: float):
             last, written = now, True
             elapsed = now - start
             eta = elapsed / done * (total - done) if done else 0.0
-            print(f"{description}: {done}/{total} ({_clock(elapsed)} elapsed, {_clock(eta)} left)", file=sys.stderr,
+            print(f"{description}: {done}/{total} ({clock(elapsed)} elapsed, {clock(eta)} left)", file=sys.stderr,
                   flush=True)
 
     return advance
 
 
-def _clock(seconds: float) -> str:
+def clock(seconds: float) -> str:
+    """`seconds` of wall time as M:SS."""
     minutes, seconds = divmod(int(round(seconds)), 60)
     return f"{minutes}:{seconds:02d}"

@@ -4,9 +4,9 @@ Each step scores the remaining layers (prune.scoring), removes the `per_step` le
 with LoRA (prune.heal) and keeps the healed weights only if they do not lower calibration tau, then
 exports the step to OUT/step-XX and records it in OUT/state.json. The run stops at a layer budget, at a
 retention floor, or when predicted speedup falls a tolerance below the best so far (a step that breaks a rule
-is not taken); the state says which rule stopped it. A run resumes from its last completed step, and an unfinished scoring round
-from its last evaluated layer (prune.journal): a run killed at any moment and resumed ends with the same
-steps, byte for byte, as one never interrupted.
+is not taken); the state says which rule stopped it. A run resumes from its last completed step, and an
+unfinished scoring round from its last evaluated layer (prune.journal): a run killed at any moment and
+resumed ends with the same steps, byte for byte, as one never interrupted.
 
 Predicted speedup (decode.cost) uses pass times measured once at the start and stored in the state
 (prune.state.Timing): the target's, and the drafter's as affine functions of depth (fitted on the unpruned
@@ -32,7 +32,7 @@ from .config import RunConfig
 from .export import export_step, resolve_export_dtype, round_to_dtype
 from .heal import heal
 from .journal import ScoringJournal, remove_journals
-from .progress import progress_bar
+from .progress import clock, progress_bar
 from .report import write_report
 from .scoring import Evaluation, ScoreReport, cached_scores, carried_scores, evaluate, round_evaluations
 from .state import BaseRecord, RunState, StepRecord, Timing, campaign_timing, has_run, load_state, save_state
@@ -213,7 +213,7 @@ def _score_round(run: _Run, current, state: RunState, take: int) -> ScoreReport:
                                trajectories=c.trajectories, on_layer=lambda *_: advance(), journal=journal,
                                store=False, carried=carried, take=take)
     fresh = sum(s.age is None for s in report.layers)
-    run.log(f"step {step}: scored {fresh} of {layers} layers in this round ({_minutes(started)})")
+    run.log(f"step {step}: scored {fresh} of {layers} layers in this round ({clock(time.monotonic() - started)})")
     return report
 
 
@@ -258,17 +258,11 @@ def _heal(run: _Run, reduced, before: Evaluation, previous_tau: float, step: int
     candidate, losses = heal(reduced, examples, config, teacher=run.campaign.drafter)
     candidate = round_to_dtype(candidate, run.dtype)  # judge the heal by the weights that are exported
     after = run.evaluate(candidate)
-    run.log(f"step {step}: healed in {_minutes(started)}: tau {before.tau:.3f} -> {after.tau:.3f}")
+    run.log(f"step {step}: healed in {clock(time.monotonic() - started)}: tau {before.tau:.3f} -> {after.tau:.3f}")
     if after.tau >= before.tau:
         return candidate, after, losses, False
     run.log(f"step {step}: healing lowered tau ({after.tau:.3f} < {before.tau:.3f}); kept the pre-heal weights")
     return reduced, before, losses, True
-
-
-def _minutes(started: float) -> str:
-    """Wall time since `started` (time.monotonic()) as M:SS."""
-    seconds = round(time.monotonic() - started)
-    return f"{seconds // 60}:{seconds % 60:02d}"
 
 
 def _stop_rule(config: RunConfig, state: RunState, record: StepRecord) -> str | None:

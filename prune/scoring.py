@@ -147,7 +147,8 @@ def rank_key(scores: list[LayerScore]):
 def carried_scores(previous: list[LayerScore], removed: list[int]) -> list[LayerScore]:
     """The scores of a round, `previous`, carried to the drafter without its layers `removed` (indices in
     the drafter that round scored): the remaining layers' scores, renumbered, one round older."""
-    kept = [s for s in sorted(previous, key=lambda s: s.layer) if s.layer not in set(removed)]
+    removed = set(removed)
+    kept = [s for s in sorted(previous, key=lambda s: s.layer) if s.layer not in removed]
     return [replace(s, layer=index, age=(s.age or 0) + 1) for index, s in enumerate(kept)]
 
 
@@ -291,13 +292,13 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
     base_speedup = speedup_of(base)
     if CRITERIA[config.criterion].needs_speedup and base_speedup is None:
         raise ConfigError(f"the {config.criterion} criterion needs the target's pass times; pass the target")
-    original = list(getattr(drafter.config, "original_layer_indices", None) or range(drafter.config.num_hidden_layers))
+    layers = drafter.config.num_hidden_layers
+    original = list(getattr(drafter.config, "original_layer_indices", None) or range(layers))
+
     def done(layer: int, score: LayerScore) -> None:
         """One evaluation finished (or restored from the journal): the round's progress."""
         if on_layer is not None:
             on_layer(layer, score)
-
-    layers = drafter.config.num_hidden_layers
 
     def score_fully(layer: int, first: tuple[Evaluation, LayerScore] | None = None) -> None:
         """Score `layer` on every prompt: pooling its first-pass evaluation `first` with the other prompts when
@@ -318,6 +319,7 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
     # on every prompt, and while the lowest `take` of them still score below every layer left out, the others
     # keep their carried scores; otherwise the left-out layers get a first pass as in any screening round.
     candidates: list[int] = []
+    trusted = False
     if screen and carried:
         order = sorted(carried, key=rank_key(carried))
         candidates = [s.layer for s in order[:config.screen_keep]]
@@ -328,61 +330,54 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
                 score_fully(layer)
         left_out = order[config.screen_keep:]
         lowest = sorted(journal.layers[layer].score for layer in candidates)[:take]
-        if not left_out or max(lowest) <= min(s.score for s in left_out):
+        trusted = not left_out or max(lowest) <= min(s.score for s in left_out)
+        if trusted:
             for carried_score in left_out:
                 if carried_score.layer not in journal.layers:
                     journal.add_layer(carried_score)
-            return _report(drafter, journal, config, prompts, screen, times, base_draft_ms, base_packed_ms,
-                           base_speedup, block)
 
-    screen_speedup = speedup_of(screen_base)
-    first_pass = {}  # layer -> (its evaluation on the first prompts, its score there); screening rounds only
-    for layer in (layer for layer in range(layers) if layer not in candidates):
-        if layer in journal.screened or layer in journal.layers:
-            first_pass[layer] = journal.screened.get(layer)
-            done(layer, first_pass[layer][1] if first_pass[layer] else journal.layers[layer])
-            continue
-        reduced = remove_layers(drafter, [layer])
-        evaluation = run(reduced, first)
-        score = _layer_score(layer, original[layer], screen_base, evaluation, pass_ms(reduced), times,
-                             screen_speedup, config, prompts=len(evaluation.tau_per_prompt))
-        del reduced
-        if screen:
-            journal.add_screened(layer, evaluation, score)
-            first_pass[layer] = (evaluation, score)
-        else:
-            journal.add_layer(score)
-        fault_point("score-layer")
-        done(layer, score)
-    if screen:
-        # Layers scored on every prompt already (carried candidates) take their places among the kept.
-        ranked = sorted([(entry[1].score, layer) for layer, entry in first_pass.items() if entry is not None]
-                        + [(journal.layers[layer].score, layer) for layer in candidates])
-        kept = {layer for _, layer in ranked[:config.screen_keep]}
-        for _, layer in ranked:
-            if layer in candidates:
+    if not trusted:
+        screen_speedup = speedup_of(screen_base)
+        first_pass = {}  # layer -> (its evaluation on the first prompts, its score there); screening rounds only
+        for layer in (layer for layer in range(layers) if layer not in candidates):
+            if layer in journal.screened or layer in journal.layers:
+                first_pass[layer] = journal.screened.get(layer)
+                done(layer, first_pass[layer][1] if first_pass[layer] else journal.layers[layer])
                 continue
-            if layer not in kept:
-                if layer not in journal.layers:
-                    journal.add_layer(first_pass[layer][1])  # left out: its first-pass score is final
-            elif layer in journal.layers:
-                done(layer, journal.layers[layer])
+            reduced = remove_layers(drafter, [layer])
+            evaluation = run(reduced, first)
+            score = _layer_score(layer, original[layer], screen_base, evaluation, pass_ms(reduced), times,
+                                 screen_speedup, config, prompts=len(evaluation.tau_per_prompt))
+            del reduced
+            if screen:
+                journal.add_screened(layer, evaluation, score)
+                first_pass[layer] = (evaluation, score)
             else:
-                score_fully(layer, first_pass[layer])
-    return _report(drafter, journal, config, prompts, screen, times, base_draft_ms, base_packed_ms, base_speedup,
-                   block)
+                journal.add_layer(score)
+            fault_point("score-layer")
+            done(layer, score)
+        if screen:
+            # Layers scored on every prompt already (carried candidates) take their places among the kept.
+            ranked = sorted([(entry[1].score, layer) for layer, entry in first_pass.items() if entry is not None]
+                            + [(journal.layers[layer].score, layer) for layer in candidates])
+            kept = {layer for _, layer in ranked[:config.screen_keep]}
+            for _, layer in ranked:
+                if layer in candidates:
+                    continue
+                if layer not in kept:
+                    if layer not in journal.layers:
+                        journal.add_layer(first_pass[layer][1])  # left out: its first-pass score is final
+                elif layer in journal.layers:
+                    done(layer, journal.layers[layer])
+                else:
+                    score_fully(layer, first_pass[layer])
 
-
-def _report(drafter, journal: ScoringMemory, config: ScoreConfig, prompts: list, screen: int,
-            times: cost.PassTimes | None, base_draft_ms: float, base_packed_ms: float, base_speedup: float | None,
-            block: int) -> ScoreReport:
-    """The ScoreReport of a finished round (every layer's score in `journal`)."""
-    base = journal.base
-    scores = [journal.layers[layer] for layer in range(drafter.config.num_hidden_layers)]
+    scores = [journal.layers[layer] for layer in range(layers)]
     settings = {"criterion": config.criterion, "verify": config.verify, "decode": asdict(config.decode),
-                "prompts": len(prompts), "screen_prompts": screen, "screen_keep": config.screen_keep if screen else None,
-                "bootstrap": config.bootstrap, "confidence": config.confidence,
-                "seed": config.seed, "layers": "0-based; original_layer = index in the unpruned drafter"}
+                "prompts": len(prompts), "screen_prompts": screen,
+                "screen_keep": config.screen_keep if screen else None, "bootstrap": config.bootstrap,
+                "confidence": config.confidence, "seed": config.seed,
+                "layers": "0-based; original_layer = index in the unpruned drafter"}
     verify_ms = times.verify_ms(base.width or block) if times is not None else None
     return ScoreReport(base, base_draft_ms, base_packed_ms, base_speedup, verify_ms,
                        times.ar_ms if times is not None else None, scores, settings,

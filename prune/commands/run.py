@@ -46,9 +46,10 @@ def add_parser(subparsers) -> None:
         help="prune layers progressively: score, remove, heal with LoRA, export each step",
         description="Progressive pruning: score the remaining layers (async decoder, replayed target "
         "trajectories), remove the least harmful (--per-step at a time), heal with a short LoRA fine-tune on "
-        "distillation data when the removal cost --heal-min-drop of tau (kept only if it does not lower tau), export the step to OUT/step-XX, repeat. "
-        "Stops at --layers-to-remove, at --min-retention of the unpruned calibration tau, or when predicted "
-        "speedup falls --speedup-tolerance below the best so far. OUT/final points at the last step taken." + EXAMPLES,
+        "distillation data when the removal cost --heal-min-drop of tau (kept only if it does not lower tau), "
+        "export the step to OUT/step-XX, repeat. Stops at --layers-to-remove, at --min-retention of the unpruned "
+        "calibration tau, or when predicted speedup falls --speedup-tolerance below the best so far. OUT/final "
+        "points at the last step taken." + EXAMPLES,
     )
     add_model_args(parser)
     add_prompt_args(parser, default_suite="humaneval:calib", max_new_tokens=64, limit=16)
