@@ -7,6 +7,7 @@ environment of a command; unset, `fault_point` costs one dictionary lookup. The 
                    but not yet renamed into place (models.checkpoint): step-02, state.json, report.md, ...
     score-layer    a layer's evaluation in a scoring round has been saved (prune.scoring)
     heal           a LoRA heal has trained, before its adapters are merged (prune.heal)
+    train-checkpoint  a training run (a drafter's or a heal's) has saved a checkpoint (prune.training.loop)
 
 A SIGKILL runs no handler, no `finally` and no atexit hook: what is on disk is what a preempted job leaves.
 """

@@ -108,6 +108,12 @@ class HealConfig:
             )
 
 
+# `prune heal`: one longer heal of a finished drafter, distilled from the drafter it was pruned from. On the
+# demo pair CE on the target's tokens left held-out tau where it was after 160 updates and KL to the unpruned
+# drafter raised it; docs/design.md (Healing a finished drafter) has the measurements.
+FINISHING_HEAL = HealConfig(steps=160, distill_weight=1.0, warmup_steps=10, min_drop=0.0)
+
+
 @dataclass
 class RunConfig:
     """Settings of a pruning campaign (prune.progressive).

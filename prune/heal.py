@@ -8,25 +8,41 @@ tau).
 """
 
 import copy
+import json
+import shutil
+import time
 import warnings
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
+from models.checkpoint import atomic_write_text, ensure_writable_output
+from models.drafter import load_drafter
+from models.errors import CheckpointError
 from models.faults import fault_point
 from prune.training.config import TrainConfig
 from prune.training.loop import train
 from prune.training.loss import Example
 
+from .cache import fingerprint
 from .config import HealConfig
+from .export import REPORT_NAME, export_step, resolve_export_dtype
+
+CHECKPOINT_EVERY = 10  # updates between checkpoints of a resumable heal (a minute or two on two CPU cores)
 
 
-def train_config(config: HealConfig) -> TrainConfig:
-    """The training loop's settings for a heal (prune.training.config.TrainConfig), without progress output."""
+def train_config(config: HealConfig, checkpoint_dir=None, progress: bool = False) -> TrainConfig:
+    """The training loop's settings for a heal (prune.training.config.TrainConfig).
+
+    `checkpoint_dir`: keep the adapter's training state there every `CHECKPOINT_EVERY` updates, and continue
+    from it when it holds a checkpoint of these settings (a long heal killed midway resumes)."""
     return TrainConfig(
         steps=config.steps, batch_size=config.batch_size, lr=config.lr,
         warmup_steps=min(config.warmup_steps, config.steps), blocks_per_sequence=config.blocks_per_sequence,
         max_length=config.max_length, gamma=config.gamma, distill_weight=config.distill_weight, seed=config.seed,
-        progress=False,
+        checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
+        checkpoint_every=CHECKPOINT_EVERY if checkpoint_dir else 0, progress=progress,
     )
 
 
@@ -43,16 +59,65 @@ def add_lora(model: torch.nn.Module, config: HealConfig):
         return get_peft_model(copy.deepcopy(model), lora)
 
 
-def heal(model: torch.nn.Module, examples: list[Example], config: HealConfig, device=None, teacher=None):
+def heal(model: torch.nn.Module, examples: list[Example], config: HealConfig, device=None, teacher=None,
+         checkpoint_dir=None, progress: bool = False):
     """LoRA-fine-tune a copy of `model` on `examples` and merge it; returns (healed model, loss history).
 
-    `teacher`: the drafter `model` was pruned from, matched with weight `config.distill_weight`."""
+    `teacher`: the drafter `model` was pruned from, matched with weight `config.distill_weight`.
+    `checkpoint_dir`, `progress`: as in `train_config`."""
     config.validate()
     if config.steps == 0:
         return copy.deepcopy(model), []
     peft_model = add_lora(model, config)
-    history = train(peft_model, examples, train_config(config), device=device,
+    history = train(peft_model, examples, train_config(config, checkpoint_dir, progress), device=device,
                     teacher=teacher if config.distill_weight > 0 else None)
     fault_point("heal")
     merged = peft_model.merge_and_unload()
     return merged.eval(), history
+
+
+def heal_folder(source, destination, teacher_dir, examples: list[Example], config: HealConfig, data: list[str],
+                dtype: torch.dtype | None = None, overwrite: bool = False, progress: bool = False) -> dict:
+    """Heal the drafter folder `source` (distilled from the drafter folder `teacher_dir`) and export it to
+    `destination` with `source`'s pruning history and a record of the heal; returns that record.
+
+    The adapter's training state is kept in `checkpoint_folder(destination)` and the heal continues from it
+    when rerun with the same source, teacher, data and settings (another combination is refused); the folder
+    is removed once the export is complete.
+    """
+    ensure_writable_output(destination, overwrite)
+    source, teacher_dir = Path(source).resolve(), Path(teacher_dir).resolve()
+    model, teacher = load_drafter(source), load_drafter(teacher_dir)
+    record = {"source": str(source), "teacher": str(teacher_dir), "data": [str(d) for d in data],
+              "examples": len(examples), "settings": asdict(config)}
+    identity = {**record, "source_hash": fingerprint(model), "teacher_hash": fingerprint(teacher)}
+    checkpoints = checkpoint_folder(destination)
+    marker = checkpoints / "heal.json"
+    if marker.is_file() and json.loads(marker.read_text()) != json.loads(json.dumps(identity, default=str)):
+        raise CheckpointError(f"{checkpoints} holds a heal of another source, teacher, data or settings; delete "
+                              "it to start over, or rerun that heal's command")
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(marker, json.dumps(identity, indent=2, sort_keys=True, default=str) + "\n")
+    started = time.monotonic()
+    healed, history = heal(model, examples, config, teacher=teacher, checkpoint_dir=checkpoints / "adapter",
+                           progress=progress)
+    losses = [h["loss"] for h in history]
+    record.update(loss_first=losses[0], loss_last=losses[-1], loss=losses,
+                  seconds_this_call=round(time.monotonic() - started, 1))
+    report_file = source / REPORT_NAME
+    report = json.loads(report_file.read_text()) if report_file.is_file() else {}
+    steps = report.pop("history", [])
+    report.pop("files", None)
+    report["heal"] = record
+    entry = {"step": "heal", "layers": healed.config.num_hidden_layers}
+    export_step(healed, destination, source, report, [*steps, entry],
+                dtype=dtype or resolve_export_dtype(None, source), overwrite=overwrite)
+    shutil.rmtree(checkpoints)
+    return record
+
+
+def checkpoint_folder(destination) -> Path:
+    """Where `heal_folder` keeps the adapter's training state for `destination`: a sibling folder holding
+    heal.json (what is healed, with what) and adapter/ (the training loop's checkpoint)."""
+    destination = Path(destination)
+    return destination.with_name(destination.name + ".heal-checkpoint")

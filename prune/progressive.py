@@ -287,7 +287,8 @@ def _commit_step(run: _Run, state: RunState, healed, record: StepRecord) -> None
     """Export the step to OUT/step-XX, then record it in OUT/state.json (a step exists once the state names it)."""
     history = state.history + [record]
     export_step(healed, run.out / record.folder, run.campaign.source_dir,
-                {"settings": state.config, "base": asdict(state.base), "timing": state.timing.to_dict()},
+                {"settings": state.config, "source": state.source, "base": asdict(state.base),
+                 "timing": state.timing.to_dict()},
                 [h.to_dict(scores=False) for h in history], dtype=run.dtype, overwrite=True)
     state.history = history
     run.log(f"step {record.step}: removed original layers {record.removed_original}, tau "

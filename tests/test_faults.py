@@ -26,10 +26,12 @@ import torch
 from _pairs import prompt_ids, trained_drafter
 from decode.decoders import DecodeConfig
 from models import faults
-from models.drafter import save_drafter
+from models.drafter import load_drafter, save_drafter
 from models.errors import CheckpointError
 from models.lock import lock_file, output_lock
 from prune.cli import main
+from prune.export import REPORT_NAME
+from prune.heal import checkpoint_folder
 from prune.scoring import record_trajectories
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,6 +171,53 @@ def test_python_m_prune_run_killed_while_scoring_resumes_to_the_same_bytes(pair,
     code, err = forked(main, run_args(pair, out, "--resume"))
     assert code == 0 and "step 1: scoring continues with 2 of 3 layers evaluated" in err, err
     same_steps(out, reference)
+
+
+def heal_args(pair: Path, source: Path, destination: Path, *extra: str) -> list[str]:
+    return ["heal", str(source), str(destination), "--data", str(pair / "heal"), "--steps", "12", "--lora-rank",
+            "2", "--lora-alpha", "4", "--no-progress", *extra]
+
+
+def test_prune_heal_distills_a_finished_run_and_a_killed_heal_resumes_to_the_same_bytes(pair, reference, tmp_path):
+    final = (reference / "final").resolve()
+    healed = tmp_path / "healed"
+    assert main(heal_args(pair, reference / "final", healed)) == 0
+    report = json.loads((healed / REPORT_NAME).read_text())
+    heal = report["heal"]
+    # The teacher is the drafter the run pruned, as the run's export records it; the loss is KL to it.
+    assert heal["teacher"] == str((pair / "drafter").resolve()) and heal["settings"]["distill_weight"] == 1.0
+    assert len(heal["loss"]) == 12 and report["history"][-1] == {"step": "heal", "layers": 1}
+    assert [h["step"] for h in report["history"][:-1]] == [1, 2]  # the run's steps come along
+    assert not checkpoint_folder(healed).exists()
+    before, after = (load_drafter(folder) for folder in (final, healed))
+    assert after.config.original_layer_indices == before.config.original_layer_indices
+    moved = [n for n, p in after.named_parameters() if not torch.equal(p, dict(before.named_parameters())[n])]
+    assert moved and all(".layers." in n for n in moved)  # LoRA touches the kept layers only
+
+    # Killed after its first checkpoint (update 10 of 12): nothing at the destination, the state beside it.
+    again = tmp_path / "again"
+    code, err = forked(main, heal_args(pair, reference / "final", again), kill_at="train-checkpoint")
+    assert code == -signal.SIGKILL, err
+    assert not again.exists() and checkpoint_folder(again).is_dir()
+    # Another heal's settings never continue that state; the same command finishes it, byte for byte.
+    code, err = forked(main, heal_args(pair, reference / "final", again, "--seed", "1"))
+    assert code == 1 and "holds a heal of another source, teacher, data or settings" in err, err
+    code, err = forked(main, heal_args(pair, reference / "final", again))
+    assert code == 0, err
+    assert (again / "model.safetensors").read_bytes() == (healed / "model.safetensors").read_bytes()
+    assert not checkpoint_folder(again).exists()
+
+
+def test_prune_heal_refuses_a_drafter_without_teacher_or_a_used_destination(pair, reference, tmp_path, capsys):
+    assert main(heal_args(pair, pair / "drafter", tmp_path / "h")) == 1  # not a pruning export: no recorded source
+    assert "does not record the drafter it was pruned from" in capsys.readouterr().err
+    assert main(heal_args(pair, reference / "final", tmp_path / "h", "--data-weights", "1", "2")) == 1
+    assert "--data-weights needs one integer >= 1 per --data folder" in capsys.readouterr().err
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    assert main(heal_args(pair, reference / "final", taken)) == 1
+    assert (taken / "keep.txt").read_text() == "mine" and not checkpoint_folder(taken).exists()
 
 
 def test_two_runs_on_one_folder_the_second_refuses_at_once(pair, tmp_path):

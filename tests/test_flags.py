@@ -20,7 +20,7 @@ from prune.commands import COMMANDS, _types
 # The arguments each command needs before a derived row's flag can be judged (valid on the tiny pair below).
 REQUIRED = {"run": ["--out", "{tmp}/run"], "sweep": ["--study", "s"], "export": ["{drafter}", "{tmp}/export"],
             "validate": ["--drafter", "{drafter}"], "distill": ["--out", "{tmp}/distill"],
-            "train-drafter": ["--data", "{data}"]}
+            "train-drafter": ["--data", "{data}"], "heal": ["{drafter}", "{tmp}/heal"]}
 PAIR = ["--drafter", "{drafter}", "--target", "{target}"]
 RUN = ["--out", "{tmp}/run", *PAIR, "--prompts", "{prompts}"]
 
@@ -71,6 +71,11 @@ CASES = [
     ("export", ["{target}", "{tmp}/copy"], 2, "is not a block-diffusion drafter"),
     ("export", ["{drafter}", "{taken}"], 1, "not empty; choose another output path or pass --overwrite"),
     ("export", ["{drafter}", "{tmp}/copy", "--dtype", "int8"], 2, "invalid choice"),
+    ("heal", ["{target}", "{tmp}/h"], 2, "is not a block-diffusion drafter"),
+    ("heal", ["{drafter}", "{tmp}/h"], 1, "does not record the drafter it was pruned from; name it with --teacher"),
+    ("heal", ["{drafter}", "{tmp}/h", "--teacher", "{drafter}"], 1, "no healing data: give distillation folders"),
+    ("heal", ["{drafter}", "{taken}", "--teacher", "{drafter}", "--data", "{data}"], 1, "not empty"),
+    ("heal", ["{drafter}", "{tmp}/h", "--distill", "2"], 2, "give a fraction in [0, 1]"),
     ("validate", ["--drafter", "{tmp}/missing"], 2, "does not exist"),
     ("validate", ["--drafter", "{target}"], 2, "is not a block-diffusion drafter"),
     ("validate", ["--drafter", "{broken}"], 1, "is not a valid safetensors file"),

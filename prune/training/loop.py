@@ -22,6 +22,7 @@ import torch
 
 from models.checkpoint import atomic_folder
 from models.errors import CheckpointError, ConfigError
+from models.faults import fault_point
 
 from .config import TrainConfig
 from .loss import DiffusionBatch, Example, build_batch, causal_lm, drafter_loss, sample_anchors
@@ -199,6 +200,7 @@ def train(
             if folder is not None and (last or (config.checkpoint_every and step % config.checkpoint_every == 0)):
                 _save_checkpoint(folder, config, step, history, optim.params, optim.optimizer, optim.scheduler,
                                  batches.rng_before)
+                fault_point("train-checkpoint")
             advance(record)
             if out_of_time:
                 break

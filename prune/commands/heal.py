@@ -1,0 +1,132 @@
+"""`prune heal`: one longer LoRA heal of a finished drafter (a `prune run` step), distilled from the drafter it
+was pruned from, exported as a new folder.
+
+The settings' defaults are `prune.config.FINISHING_HEAL`; docs/design.md (Healing a finished drafter) says why.
+"""
+
+from . import _types
+from ._common import DTYPES, add_command, add_debug
+
+EXAMPLES = """examples:
+  prune heal pruned/final pruned-healed                       (a run on the demo pair: teacher and data known)
+  prune heal pruned/final healed --teacher D --data data/distill --steps 400"""
+
+
+def add_parser(subparsers) -> None:
+    from prune.config import FINISHING_HEAL as H
+
+    parser = add_command(
+        subparsers,
+        "heal",
+        help="heal a pruned drafter with a longer LoRA fine-tune distilled from its unpruned source",
+        description="Fine-tune a LoRA adapter on SOURCE (e.g. OUT/final of `prune run`) so that its predictions "
+        "match the drafter it was pruned from (KL, --distill) on distillation data, merge it and export the "
+        "result to DESTINATION (plain Qwen3 folder, atomically). The adapter's training state is checkpointed "
+        f"beside DESTINATION every few updates; the same command resumes a killed heal.\n\n{EXAMPLES}",
+    )
+    parser.add_argument("source", type=_types.drafter_dir, help="the pruned drafter folder to heal")
+    parser.add_argument("destination", type=_types.output_dir,
+                        help="new folder (must not exist or be empty unless --overwrite)")
+    parser.add_argument("--teacher", type=_types.drafter_dir, default=None, metavar="DIR",
+                        help="the drafter SOURCE was pruned from (default: the source its prune report records)")
+    parser.add_argument("--data", type=_types.data_dir, nargs="+", default=None, metavar="DIR",
+                        help="distillation data folders (prune distill output) (default: the demo drafter's "
+                        "shipped folders when the teacher is the demo drafter; required otherwise)")
+    parser.add_argument("--data-weights", type=_types.positive_int, nargs="+", default=None, metavar="W",
+                        help="repeat each --data folder's sequences this many times (default: 1 each)")
+    parser.add_argument("--steps", type=_types.positive_int, default=H.steps, help="LoRA updates")
+    parser.add_argument("--lora-rank", type=_types.positive_int, default=H.rank, help="LoRA rank")
+    parser.add_argument("--lora-alpha", type=_types.positive_int, default=H.alpha,
+                        help="LoRA alpha (scale = alpha / rank)")
+    parser.add_argument("--lr", type=_types.positive_float, default=H.lr, help="peak learning rate")
+    parser.add_argument("--distill", type=_types.fraction, default=H.distill_weight, metavar="W",
+                        help="share of the loss that matches the teacher's predictions (KL) instead of the "
+                        "target's tokens")
+    parser.add_argument("--seed", type=_types.non_negative_int, default=H.seed,
+                        help="seeds the adapter, batch order and anchors")
+    parser.add_argument("--dtype", choices=("source", *DTYPES), default="source",
+                        help="dtype of the exported weights; source: the dtype SOURCE's weights are stored in")
+    parser.add_argument("--threads", type=_types.non_negative_int, default=0,
+                        help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--json", metavar="OUT", default=None, type=_types.output_file,
+                        help="write a summary of the heal as JSON ('-' = stdout)")
+    add_debug(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from dataclasses import replace
+
+    import torch
+
+    from models.checkpoint import ensure_writable_output
+    from prune.config import FINISHING_HEAL
+    from prune.export import resolve_export_dtype
+    from prune.heal import heal_folder
+
+    from ._common import quiet_libraries, write_json
+
+    quiet_libraries()
+    ensure_writable_output(args.destination, args.overwrite)  # before anything loads
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    teacher = _teacher(args)
+    folders, weights = _heal_data(args, teacher)
+    examples = _examples(folders, weights)
+    config = replace(FINISHING_HEAL, steps=args.steps, rank=args.lora_rank, alpha=args.lora_alpha, lr=args.lr,
+                     distill_weight=args.distill, seed=args.seed)
+    config.validate()
+    dtype = resolve_export_dtype(args.dtype, args.source)
+    record = heal_folder(args.source, args.destination, teacher, examples, config,
+                         [f"{folder} x{weight}" for folder, weight in zip(folders, weights)], dtype=dtype,
+                         overwrite=args.overwrite, progress=not args.no_progress and args.json != "-")
+    write_json({"destination": args.destination, **record}, args.json)
+    if args.json != "-":
+        print(args.destination)
+    return 0
+
+
+def _teacher(args) -> str:
+    """--teacher, or the unpruned drafter that SOURCE's prune report names."""
+    import json
+    from pathlib import Path
+
+    from models.errors import ConfigError
+    from prune.export import REPORT_NAME
+
+    if args.teacher:
+        return args.teacher
+    report = Path(args.source) / REPORT_NAME
+    recorded = json.loads(report.read_text()).get("source") if report.is_file() else None
+    if not recorded or not Path(recorded).is_dir():
+        raise ConfigError(f"{args.source} does not record the drafter it was pruned from"
+                          + (f" ({recorded} is gone)" if recorded else "") + "; name it with --teacher DIR")
+    return recorded
+
+
+def _heal_data(args, teacher: str) -> tuple[list[str], list[int]]:
+    """(--data folders, their weights): the demo drafter's shipped folders when the teacher is the demo drafter."""
+    from pathlib import Path
+
+    from models.demo import DEMO_DRAFTER_DIR, DEMO_HEAL_DATA
+    from models.errors import ConfigError
+    from prune.training.driver import data_weights
+
+    if args.data:
+        return list(args.data), data_weights(args)
+    if args.data_weights:
+        raise ConfigError("--data-weights weighs --data folders; give the folders with --data")
+    demo = Path(teacher).resolve() == DEMO_DRAFTER_DIR.resolve()
+    if not (demo and all(Path(folder).is_dir() for folder, _ in DEMO_HEAL_DATA)):
+        raise ConfigError("no healing data: give distillation folders of the teacher's target with --data DIR "
+                          "(prune distill output)")
+    return [str(folder) for folder, _ in DEMO_HEAL_DATA], [weight for _, weight in DEMO_HEAL_DATA]
+
+
+def _examples(folders: list[str], weights: list[int]) -> list:
+    """Every folder's training examples (unfinished generations as far as they go), repeated `weight` times."""
+    from prune.training.data import load_examples
+
+    return [example for folder, weight in zip(folders, weights) for example in load_examples(folder, True) * weight]
