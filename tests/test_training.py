@@ -74,6 +74,19 @@ def test_resume_gives_the_same_weights(make_tiny_drafter, tmp_path):
         train(resumed_model, data, small_config(checkpoint_dir=str(tmp_path / "ckpt"), lr=5e-3))
 
 
+def test_progress_in_a_log_file_is_a_line_now_and_then(make_tiny_drafter, monkeypatch, capsys):
+    """Off a terminal (a background job's log) a long training run or heal says it is alive in plain lines."""
+    from prune import progress
+
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
+    train(make_tiny_drafter(block_size=B), tiny_dataset(), small_config(steps=3, progress=True))
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" (")[0] for line in lines] == ["train: 1/3", "train: 2/3", "train: 3/3"]
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 3600.0)  # a short job stays quiet
+    train(make_tiny_drafter(block_size=B), tiny_dataset(), small_config(steps=3, progress=True))
+    assert capsys.readouterr().err == ""
+
+
 def test_schedule_and_validation():
     config = TrainConfig(steps=10, warmup_steps=2, min_lr_ratio=0.1)
     assert lr_factor(0, config) == 0.5 and lr_factor(1, config) == 1.0

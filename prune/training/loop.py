@@ -245,13 +245,21 @@ def _update(model: torch.nn.Module, batches: _Batches, optim: _Optimizer, config
 
 
 def _progress_bar(enabled: bool, total: int, done: int):
-    """Context manager yielding `advance(record)`; a rich bar on stderr, or nothing when disabled."""
+    """Context manager yielding `advance(record)`: a rich bar with the loss on a terminal, a line now and then in
+    a log file (prune.progress), nothing when disabled."""
     import contextlib
+    import sys
 
     @contextlib.contextmanager
     def bar():
         if not enabled:
             yield lambda record: None
+            return
+        if not sys.stderr.isatty():
+            from prune import progress
+
+            with progress.progress_bar("train", total - done, log_every_s=progress.LOG_EVERY_S) as advance:
+                yield lambda record: advance()
             return
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
