@@ -4,7 +4,8 @@ The adapter (peft) trains on the distillation data with `prune.training.loop.tra
 loss, and is merged into the weights with `merge_and_unload`, so the healed drafter is again a plain
 `Qwen3ForCausalLM` that saves and loads without peft. Settings: prune.config.HealConfig. The caller decides
 whether to keep the result (docs/design.md, Progressive pruning: keep the pre-heal weights when a heal lowers
-tau).
+tau). `heal_folder` is `prune heal`: one longer heal of an exported drafter, distilled from its unpruned
+source, checkpointed and exported like a step (docs/design.md, Healing a finished drafter).
 """
 
 import copy
@@ -19,7 +20,7 @@ import torch
 
 from models.checkpoint import atomic_write_text, ensure_writable_output
 from models.drafter import load_drafter
-from models.errors import CheckpointError
+from models.errors import CheckpointError, ConfigError
 from models.faults import fault_point
 from prune.training.config import TrainConfig
 from prune.training.loop import train
@@ -88,6 +89,11 @@ def heal_folder(source, destination, teacher_dir, examples: list[Example], confi
     ensure_writable_output(destination, overwrite)
     source, teacher_dir = Path(source).resolve(), Path(teacher_dir).resolve()
     model, teacher = load_drafter(source), load_drafter(teacher_dir)
+    keys = ("vocab_size", "block_size", "mask_token_id", "hidden_size")
+    differ = [k for k in keys if getattr(model.config, k, None) != getattr(teacher.config, k, None)]
+    if differ:
+        raise ConfigError(f"{source} and the teacher {teacher_dir} differ in {', '.join(differ)}: the teacher must "
+                          "be the drafter SOURCE was pruned from; pass that one with --teacher")
     record = {"source": str(source), "teacher": str(teacher_dir), "data": [str(d) for d in data],
               "examples": len(examples), "settings": asdict(config)}
     identity = {**record, "source_hash": fingerprint(model), "teacher_hash": fingerprint(teacher)}

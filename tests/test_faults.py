@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from _pairs import prompt_ids, trained_drafter
+from conftest import build_tiny_drafter
 from decode.decoders import DecodeConfig
 from models import faults
 from models.drafter import load_drafter, save_drafter
@@ -218,6 +219,10 @@ def test_prune_heal_refuses_a_drafter_without_teacher_or_a_used_destination(pair
     (taken / "keep.txt").write_text("mine")
     assert main(heal_args(pair, reference / "final", taken)) == 1
     assert (taken / "keep.txt").read_text() == "mine" and not checkpoint_folder(taken).exists()
+    other = tmp_path / "other"  # a drafter of another block size is not the one SOURCE was pruned from
+    save_drafter(build_tiny_drafter(num_hidden_layers=2, block_size=4), other)
+    assert main(heal_args(pair, reference / "final", tmp_path / "h", "--teacher", str(other))) == 1
+    assert "differ in" in capsys.readouterr().err and not checkpoint_folder(tmp_path / "h").exists()
 
 
 def test_two_runs_on_one_folder_the_second_refuses_at_once(pair, tmp_path):
