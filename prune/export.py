@@ -108,6 +108,15 @@ def export_step(model, folder, source_dir, report: dict, history: list[dict], dt
                         before_commit=finish)
 
 
+def read_report(folder) -> tuple[dict, list[dict]]:
+    """(settings and records, history) of the export in `folder` (its prune_report.json), without the file
+    hashes, which describe that folder only; ({}, []) for a drafter that is not an export."""
+    file = Path(folder) / REPORT_NAME
+    report = json.loads(file.read_text()) if file.is_file() else {}
+    report.pop("files", None)
+    return report, report.pop("history", [])
+
+
 def verify_export(folder) -> list[str]:
     """Names of files whose sha256 no longer matches the export's report (empty when intact)."""
     folder = Path(folder)

@@ -28,7 +28,7 @@ from prune.training.loss import Example
 
 from .cache import fingerprint
 from .config import HealConfig
-from .export import REPORT_NAME, export_step, resolve_export_dtype
+from .export import export_step, read_report, resolve_export_dtype
 
 CHECKPOINT_EVERY = 10  # updates between checkpoints of a resumable heal (a minute or two on two CPU cores)
 
@@ -110,10 +110,7 @@ def heal_folder(source, destination, teacher_dir, examples: list[Example], confi
     losses = [h["loss"] for h in history]
     record.update(loss_first=losses[0], loss_last=losses[-1], loss=losses,
                   seconds_this_call=round(time.monotonic() - started, 1))
-    report_file = source / REPORT_NAME
-    report = json.loads(report_file.read_text()) if report_file.is_file() else {}
-    steps = report.pop("history", [])
-    report.pop("files", None)
+    report, steps = read_report(source)
     report["heal"] = record
     entry = {"step": "heal", "layers": healed.config.num_hidden_layers}
     export_step(healed, destination, source, report, [*steps, entry],

@@ -26,12 +26,11 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    import json
     from pathlib import Path
 
     from models.checkpoint import ensure_writable_output
     from models.drafter import load_drafter
-    from prune.export import REPORT_NAME, export_step, resolve_export_dtype
+    from prune.export import export_step, read_report, resolve_export_dtype
 
     from ._common import quiet_libraries
 
@@ -39,10 +38,7 @@ def run(args) -> int:
     ensure_writable_output(args.destination, args.overwrite)  # before the weights load
     source = Path(args.source).resolve()
     model = load_drafter(source)
-    report_file = source / REPORT_NAME
-    report = json.loads(report_file.read_text()) if report_file.is_file() else {}
-    history = report.pop("history", [])
-    report.pop("files", None)
+    report, history = read_report(source)
     report["exported_from"] = str(source)
     export_step(model, args.destination, source, report, history, dtype=resolve_export_dtype(args.dtype, source),
                 overwrite=args.overwrite)

@@ -90,16 +90,14 @@ def run(args) -> int:
 
 def _teacher(args) -> str:
     """--teacher, or the unpruned drafter that SOURCE's prune report names."""
-    import json
     from pathlib import Path
 
     from models.errors import ConfigError
-    from prune.export import REPORT_NAME
+    from prune.export import read_report
 
     if args.teacher:
         return args.teacher
-    report = Path(args.source) / REPORT_NAME
-    recorded = json.loads(report.read_text()).get("source") if report.is_file() else None
+    recorded = read_report(args.source)[0].get("source")
     if not recorded or not Path(recorded).is_dir():
         raise ConfigError(f"{args.source} does not record the drafter it was pruned from"
                           + (f" ({recorded} is gone)" if recorded else "") + "; name it with --teacher DIR")
