@@ -100,6 +100,19 @@ def test_measured_pass_times_of_a_tiny_pair_are_consistent():
     assert times.draft_tokens == 5 and times.packed_tokens == 4 + 3 * 5  # block 4, budget 16: 3 candidates
 
 
+def test_the_ar_step_is_read_off_a_line_through_every_verify_width():
+    from decode.timing import verify_line
+
+    line = {w: 50.0 + 3.0 * (w - 1) for w in (1, 2, 4, 8, 16)}
+    assert verify_line(line) == pytest.approx((50.0, 3.0))
+    # One slow width-1 sample (the ar step read alone) moves the fitted ar step by a fraction of its error.
+    ar_ms, slope = verify_line({**line, 1: 65.0})
+    assert 50.0 < ar_ms < 50.0 + 15.0 / 2 and 0.0 <= slope < 3.0
+    # A pass that gets no slower with width (a GPU): no negative slope, the ar step is the mean.
+    assert verify_line({1: 10.0, 2: 10.5, 4: 9.5, 8: 10.0, 16: 9.0}) == pytest.approx((9.8, 0.0))
+    assert verify_line({1: 42.0}) == (42.0, 0.0)
+
+
 def test_drafters_measured_together_share_one_target_measurement():
     from _pairs import tiny_target
     from conftest import build_tiny_drafter
