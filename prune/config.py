@@ -18,8 +18,8 @@ class ScoreConfig:
     """How layers are scored (prune.scoring).
 
     Attributes:
-        criterion: a name of prune.criteria.CRITERIA: "tau" (drop in mean acceptance length) or "speedup"
-            (drop in predicted speedup).
+        criterion: a name of prune.criteria.CRITERIA: "tau" (drop in mean acceptance length), "speedup"
+            (drop in predicted speedup) or "expected-tau" (drop in expected acceptance length).
         verify: "replay" (recorded target trajectories; drafter cost only) or "live".
         decode: decoder settings (greedy; max_new_tokens, budget, stop ids).
         batch_size: prompts per batched drafter pass in replay.

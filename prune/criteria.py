@@ -37,17 +37,27 @@ class Criterion:
         help: what the score measures, for --help.
         score: function(LayerEffect) -> float, the layer's score (lower: removed first).
         needs_speedup: scores need predicted speedups, so the target's pass times.
+        needs_expected_tau: scores need the evaluations' expected acceptance lengths (their `expected_tau`,
+            computed on the target's trajectories of the calibration prompts).
     """
 
     name: str
     help: str
     score: Callable[[LayerEffect], float]
     needs_speedup: bool = False
+    needs_expected_tau: bool = False
 
 
 def tau_drop(effect: LayerEffect) -> float:
     """The drop in mean acceptance length (calibration tau) without the layer."""
     return effect.base.tau - effect.without.tau
+
+
+def expected_tau_drop(effect: LayerEffect) -> float:
+    """The drop in expected acceptance length without the layer: per calibration prompt, the mean over the
+    target's trajectory of 1 + sum_k p_1 ... p_k, with p_i the drafter's probability of the target's token at
+    draft slot i (prune.scoring.expected_tau_per_prompt)."""
+    return effect.base.expected_tau - effect.without.expected_tau
 
 
 def speedup_drop(effect: LayerEffect) -> float:
@@ -58,6 +68,9 @@ def speedup_drop(effect: LayerEffect) -> float:
 CRITERIA: dict[str, Criterion] = {criterion.name: criterion for criterion in (
     Criterion("tau", "drop in acceptance length", tau_drop),
     Criterion("speedup", "drop in predicted speedup", speedup_drop, needs_speedup=True),
+    Criterion("expected-tau", "drop in expected acceptance length on the target's trajectories (the drafter's "
+              "probabilities of the target's tokens; smooth where tau on few prompts is not)", expected_tau_drop,
+              needs_expected_tau=True),
 )}
 DEFAULT_CRITERION = "tau"
 

@@ -9,7 +9,11 @@ prompts gives a confidence interval per layer, so a too-small calibration set sh
 
 The `speedup` criterion scores a layer by the drop in predicted async speedup instead (decode.cost: the
 target's pass times measured once, each reduced drafter's own pass times, its tau, verify width and
-fallback rate). Settings: prune.config.ScoreConfig; reports are cached by prune.cache.score_key.
+fallback rate). The `expected-tau` criterion adds, beside the decoder's measurements, the drafter's
+expected acceptance length on the target's trajectories (`expected_tau_per_prompt`), which moves with every
+change of the drafter's probabilities and so ranks layers on calibration sets too small for tau to tell
+them apart (docs/design.md, Scoring). Settings: prune.config.ScoreConfig; reports are cached by
+prune.cache.score_key.
 """
 
 from dataclasses import asdict, dataclass, replace
@@ -34,7 +38,9 @@ from .criteria import CRITERIA, LayerEffect
 
 @dataclass
 class Evaluation:
-    """The async decoder's measurements of one drafter on the calibration prompts (width: mean verify width)."""
+    """The async decoder's measurements of one drafter on the calibration prompts (width: mean verify width),
+    and, where the criterion asks for it, the drafter's expected acceptance length per prompt
+    (`expected_tau_per_prompt`; their mean is `expected_tau`)."""
 
     tau_per_prompt: list[float]
     tau: float
@@ -45,14 +51,16 @@ class Evaluation:
     packed_tokens: float | None = None
     rounds: int | None = None
     judged_rounds: int | None = None
+    expected_tau_per_prompt: list[float] | None = None
+    expected_tau: float | None = None
 
     @classmethod
-    def of(cls, results: list[DecodeResult], block_size: int) -> "Evaluation":
+    def of(cls, results: list[DecodeResult], block_size: int, expected: list[float] | None = None) -> "Evaluation":
         summary = summarize(results, block_size)
         judged = sum(rnd.hit is not None for r in results for rnd in r.rounds)
         return cls(summary["tau_per_prompt"], summary["tau_macro"], summary["hit_rate"], summary["fallback_rate"],
                    summary["verify_width_mean"], summary.get("packed_share"), summary.get("packed_pass_tokens_mean"),
-                   summary["rounds"], judged)
+                   summary["rounds"], judged, expected, sum(expected) / len(expected) if expected else None)
 
     @classmethod
     def merge(cls, first: "Evaluation", second: "Evaluation") -> "Evaluation":
@@ -68,9 +76,12 @@ class Evaluation:
         judged = (first.judged_rounds, second.judged_rounds)
         packed = tuple((e.packed_share or 0.0) * e.rounds for e in (first, second))
         per_prompt = first.tau_per_prompt + second.tau_per_prompt
+        both = first.expected_tau_per_prompt is not None and second.expected_tau_per_prompt is not None
+        expected = first.expected_tau_per_prompt + second.expected_tau_per_prompt if both else None
         return cls(per_prompt, sum(per_prompt) / len(per_prompt), pooled("hit_rate", judged),
                    pooled("fallback_rate", judged), pooled("width", rounds), pooled("packed_share", rounds),
-                   pooled("packed_tokens", packed), sum(rounds), sum(judged))
+                   pooled("packed_tokens", packed), sum(rounds), sum(judged), expected,
+                   sum(expected) / len(expected) if expected else None)
 
     def predicted_speedup(self, times: cost.PassTimes | None) -> float | None:
         """Predicted async speedup of this drafter with pass times `times` (None without target times)."""
@@ -87,7 +98,8 @@ class LayerScore:
     the calibration prompts it stands on (fewer than the round's where screening left the layer out after
     its first pass; None in reports from before screening). `age`: None for a score measured in this round;
     k for one carried from the round k steps before (a campaign's round that screens by the previous
-    round's ranking keeps the old score of a layer it does not evaluate again)."""
+    round's ranking keeps the old score of a layer it does not evaluate again). `expected_tau_without`: the
+    expected acceptance length without the layer, where the criterion measures it."""
 
     layer: int
     original_layer: int
@@ -105,6 +117,7 @@ class LayerScore:
     packed_tokens: float | None = None
     prompts: int | None = None
     age: int | None = None
+    expected_tau_without: float | None = None
 
 
 @dataclass
@@ -157,8 +170,32 @@ def record_trajectories(target, prompts: list[list[int]], config: DecodeConfig) 
     return [prompt + decode_ar(target, prompt, config).output_ids for prompt in prompts]
 
 
+def expected_tau_per_prompt(drafter, prompts: list[list[int]], trajectories: list[list[int]],
+                            blocks_per_pass: int = 32) -> list[float]:
+    """`drafter`'s expected acceptance length on each prompt's target trajectory (prompt + greedy output): the
+    mean over every anchor of the output (a position whose token and next token are output tokens, where a
+    round can start) of prune.training.loss.expected_acceptance, the drafter teacher-forced on the trajectory
+    in the sync draft's geometry. One pass lays out the trajectory and `blocks_per_pass` blocks, so memory
+    stays linear in the output's length. A prompt whose output has no anchor scores 1 (a round commits its
+    bonus token)."""
+    from .training.loss import Example, build_batch, expected_acceptance
+
+    device, dtype = next(drafter.parameters()).device, next(drafter.parameters()).dtype
+    means = []
+    for prompt, trajectory in zip(prompts, trajectories):
+        example = Example.from_prompt_response(trajectory[:len(prompt)], trajectory[len(prompt):])
+        anchors = torch.nonzero(example.loss_mask[:-1] & example.loss_mask[1:]).flatten().tolist()
+        values = [expected_acceptance(drafter, build_batch([example], drafter.config.block_size,
+                                                           drafter.config.mask_token_id, 0, anchors=[chunk],
+                                                           mask_dtype=dtype).to(device)).double().cpu()
+                  for chunk in (anchors[i:i + blocks_per_pass] for i in range(0, len(anchors), blocks_per_pass))]
+        means.append(float(torch.cat(values).mean()) if values else 1.0)
+    return means
+
+
 def evaluate(drafter, prompts, config: ScoreConfig, trajectories=None, target=None) -> Evaluation:
-    """tau (and hits) of `drafter` with the async decoder, replayed in batches or live per prompt."""
+    """tau (and hits) of `drafter` with the async decoder, replayed in batches or live per prompt; with a
+    criterion that needs it (and `trajectories`), its expected acceptance length per prompt too."""
     block = config.decode.block_size or drafter.config.block_size
     results: list[DecodeResult] = []
     if config.verify == "replay":
@@ -169,7 +206,10 @@ def evaluate(drafter, prompts, config: ScoreConfig, trajectories=None, target=No
     else:
         for prompt in prompts:
             results += decode_speculative("async", drafter, [LiveVerifier(target)], [prompt], config.decode)
-    return Evaluation.of(results, block)
+    expected = None
+    if CRITERIA[config.criterion].needs_expected_tau and trajectories is not None:
+        expected = expected_tau_per_prompt(drafter, prompts, trajectories)
+    return Evaluation.of(results, block, expected)
 
 
 def bootstrap_interval(deltas: list[float], resamples: int, confidence: float, seed: int) -> tuple[float, float]:
@@ -257,9 +297,10 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
         take: layers the caller removes after this round (the check above).
     """
     config.validate()
-    if config.verify == "replay" and trajectories is None:
+    if (config.verify == "replay" or CRITERIA[config.criterion].needs_expected_tau) and trajectories is None:
         if target is None:
-            raise ConfigError("replay scoring needs the target once to record trajectories, or trajectories")
+            raise ConfigError(f"{config.verify} scoring by {config.criterion} needs the target once to record "
+                              "trajectories, or trajectories")
         trajectories = record_trajectories(target, prompts, config.decode)
     if config.verify == "live" and target is None:
         raise ConfigError("live scoring needs the target model")
@@ -395,7 +436,8 @@ def _layer_score(layer: int, original: int, base: Evaluation, evaluation: Evalua
     score = CRITERIA[config.criterion].score(LayerEffect(base, evaluation, base_speedup, speedup))
     return LayerScore(layer, original, evaluation.tau, evaluation.fallback_rate, base.tau - evaluation.tau, low, high,
                       *pass_ms,
-                      speedup, score, evaluation.width, evaluation.packed_share, evaluation.packed_tokens, prompts)
+                      speedup, score, evaluation.width, evaluation.packed_share, evaluation.packed_tokens, prompts,
+                      expected_tau_without=evaluation.expected_tau)
 
 
 def cached_trajectories(folder: Path | None, target, prompts: list[list[int]], decode: DecodeConfig) -> list:

@@ -14,8 +14,9 @@ step, in this form (times in ms, tau in committed tokens per target pass, layer 
 
 `RunState.from_dict` reads every form this tool has written: timing from before the cost model
 (`{"layers", "draft_ms", "packed_ms", "verify_ms", "ar_ms"}`, written back as it was read) and layer
-scores without the fields added later (read as None; `prompts`, added with screening, and `age`, added
-with carried screening, are written back absent).
+scores without the fields added later (read as None; `prompts`, added with screening, `age`, added
+with carried screening, and `expected_tau_without`, added with the expected-tau criterion, are written back
+absent).
 """
 
 import json
@@ -166,7 +167,7 @@ class StepRecord:
         if not scores:
             del record["scores"]
         for score in record.get("scores", []):
-            for added in ("prompts", "age"):  # fields a score from an older version lacks: written back as read
+            for added in ("prompts", "age", "expected_tau_without"):  # absent from older scores: written back as read
                 if score[added] is None:
                     del score[added]
         return record

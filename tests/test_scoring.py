@@ -203,3 +203,45 @@ def test_the_score_table_lists_layers_scored_on_every_prompt_first(setup, capsys
     rows = [line.split("│")[1:-1] for line in out.splitlines() if line.startswith("│")]
     assert [int(row[0]) for row in rows] == [s.layer for s in report.ranking()]
     assert [int(row[5]) for row in rows] == [4, 2, 2]  # the kept layer on all 4 prompts, the others on 2
+
+
+def test_expected_acceptance_is_one_plus_the_running_products_of_the_target_tokens_probabilities():
+    import torch
+    from conftest import build_tiny_drafter
+    from models.inference import masked_logits
+    from prune.training.loss import Example, build_batch, expected_acceptance
+
+    drafter = build_tiny_drafter(block_size=4)
+    with torch.no_grad():
+        drafter.lm_head.weight.zero_()  # every id inference can propose is equally likely
+    allowed = torch.isfinite(masked_logits(drafter, torch.zeros(1, drafter.config.hidden_size))).sum().item()
+    u = 1.0 / allowed
+    example = Example.from_prompt_response([5, 6, 7], [8, 9, 10, 11, 12, 13])  # response at positions 3..8
+    anchors = [3, 4, 5, 6, 7]  # a round can start where this token and the next are response tokens
+    batch = build_batch([example], 4, drafter.config.mask_token_id, 0, anchors=[anchors])
+    # 3 draft slots per block of 4; the blocks at 6 and 7 run past the end after 2 and 1 slots.
+    full, two, one = 1 + u + u ** 2 + u ** 3, 1 + u + u ** 2, 1 + u
+    assert expected_acceptance(drafter, batch).tolist() == pytest.approx([full, full, full, two, one])
+
+
+def test_expected_tau_criterion_scores_the_drop_in_expected_acceptance(setup):
+    target, drafter, prompts, decode = setup
+    config = ScoreConfig(decode=decode, criterion="expected-tau", timing_repeats=1)
+    report = score_layers(drafter, prompts, config, target=target)
+    block = drafter.config.block_size
+    assert len(report.base.expected_tau_per_prompt) == len(prompts)
+    assert all(1.0 <= value <= block for value in report.base.expected_tau_per_prompt)
+    for score in report.layers:
+        assert score.score == pytest.approx(report.base.expected_tau - score.expected_tau_without)
+    assert max(score.score for score in report.layers) > 0  # the trained drafter needs its layers
+    # Live verification records the trajectories it needs, and reads the same expectations.
+    live = score_layers(drafter, prompts, ScoreConfig(decode=decode, criterion="expected-tau", verify="live",
+                                                      timing_repeats=1), target=target)
+    assert [s.score for s in live.layers] == pytest.approx([s.score for s in report.layers])
+    # A screening round pools its two passes' expectations as one pass over every prompt.
+    screened = score_layers(drafter, prompts, ScoreConfig(decode=decode, criterion="expected-tau", timing_repeats=1,
+                                                          screen_prompts=2, screen_keep=3), target=target)
+    assert screened.base.expected_tau_per_prompt == pytest.approx(report.base.expected_tau_per_prompt)
+    # The decoder-only criteria do not pay for it.
+    assert score_layers(drafter, prompts, ScoreConfig(decode=decode, timing_repeats=1),
+                        target=target).base.expected_tau is None

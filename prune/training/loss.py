@@ -325,3 +325,22 @@ def drafter_loss(
         accept_sum = (run[full] + 1).sum()
         accept_blocks = full.sum()
     return LossOutput(total, diff.detach(), ar.detach(), slot_correct, slot_count, accept_sum, accept_blocks)
+
+
+@torch.no_grad()
+def expected_acceptance(model: torch.nn.Module, batch: DiffusionBatch) -> torch.Tensor:
+    """Float `(blocks,)`: each block's expected acceptance length on the target's own trajectory.
+
+    With p_i the model's probability of the target's token at draft slot i = 1..B-1 of a block (teacher
+    forced: the clean stream is the target's trajectory), the block scores 1 + sum_k p_1 ... p_k, the tokens
+    a round anchored there would commit if each draft were accepted with the drafter's probability of the
+    target's token. Slots past the sequence end count as rejected. Unlike the greedy acceptance length (a
+    leading run of argmax matches, `LossOutput.accept_sum`), it moves with every change of the model's
+    probabilities, not only with those that flip an argmax, so small calibration sets still rank models.
+    """
+    logits = _supervised_logits(model, batch, batch.slot_rows)  # (S, vocab) float32
+    prob = logits.log_softmax(-1).gather(-1, batch.slot_targets[:, None]).squeeze(-1).exp()
+    size = batch.block_size
+    dense = torch.zeros(batch.num_blocks * size, dtype=prob.dtype, device=prob.device)
+    dense[batch.slot_block * size + batch.slot_number] = prob
+    return 1.0 + dense.view(-1, size)[:, : size - 1].cumprod(-1).sum(-1)
