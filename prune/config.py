@@ -74,8 +74,10 @@ class HealConfig:
         target_modules: module names that get adapters.
         lr, batch_size, warmup_steps, blocks_per_sequence, max_length, gamma: as in
             `prune.training.config.TrainConfig`.
-        distill_weight: share of the loss that matches the teacher passed to `prune.heal.heal` (the drafter
-            before the layers were removed) instead of the target's tokens (`TrainConfig.distill_weight`).
+        distill_weight: share of the loss that matches the teacher passed to `prune.heal.heal` (a campaign
+            passes the unpruned drafter) instead of the target's tokens (`TrainConfig.distill_weight`). 1: KL
+            to the teacher only; cross entropy on the target's tokens left held-out tau flat on the demo pair,
+            KL raised it (docs/design.md, Progressive pruning).
         min_drop: a campaign heals a step only when the removal lowered calibration tau by at least this
             fraction of the tau before it (0: every step). A heal of a removal that cost nothing measurable
             has nothing to recover, and 16 calibration prompts judge it against noise of about this size
@@ -94,7 +96,7 @@ class HealConfig:
     blocks_per_sequence: int = 16
     max_length: int = 320
     gamma: float = TrainConfig.gamma
-    distill_weight: float = 0.0
+    distill_weight: float = 1.0
     min_drop: float = 0.01
     seed: int = 0
 

@@ -86,7 +86,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--heal-lr", type=_types.positive_float, default=HEAL["lr"], help="LoRA learning rate")
     parser.add_argument("--heal-distill", type=_types.fraction, default=HEAL["distill_weight"], metavar="W",
                         help="share of the heal loss that matches the unpruned drafter's predictions (KL) instead of "
-                        "the target's tokens (0: the target's tokens only)")
+                        "the target's tokens (1: KL only; 0: cross entropy on the target's tokens only)")
     parser.add_argument("--heal-min-drop", type=_types.fraction, default=HEAL["min_drop"], metavar="F",
                         help="heal a step only when its removal lowered calibration tau by at least this fraction "
                         "(0: heal every step)")
