@@ -46,6 +46,16 @@ class ScoreConfig:
     screen_prompts: int = 8
     screen_keep: int = 12
 
+    @property
+    def needs_expected_tau(self) -> bool:
+        """The criterion scores by expected acceptance length (prune.scoring.expected_tau_per_prompt)."""
+        return CRITERIA[self.criterion].needs_expected_tau
+
+    @property
+    def needs_trajectories(self) -> bool:
+        """Scoring reads the target's recorded trajectories: to replay them, or for expected acceptance."""
+        return self.verify == "replay" or self.needs_expected_tau
+
     def screen(self, prompts: int) -> int:
         """Prompts of the first pass for a round on `prompts` prompts (0: no screening)."""
         return self.screen_prompts if 0 < self.screen_prompts < prompts else 0

@@ -178,13 +178,13 @@ def expected_tau_per_prompt(drafter, prompts: list[list[int]], trajectories: lis
     in the sync draft's geometry. One pass lays out the trajectory and `blocks_per_pass` blocks, so memory
     stays linear in the output's length. A prompt whose output has no anchor scores 1 (a round commits its
     bonus token)."""
-    from .training.loss import Example, build_batch, expected_acceptance
+    from .training.loss import Example, anchor_positions, build_batch, expected_acceptance
 
     device, dtype = next(drafter.parameters()).device, next(drafter.parameters()).dtype
     means = []
     for prompt, trajectory in zip(prompts, trajectories):
         example = Example.from_prompt_response(trajectory[:len(prompt)], trajectory[len(prompt):])
-        anchors = torch.nonzero(example.loss_mask[:-1] & example.loss_mask[1:]).flatten().tolist()
+        anchors = anchor_positions(example.loss_mask).tolist()
         values = [expected_acceptance(drafter, build_batch([example], drafter.config.block_size,
                                                            drafter.config.mask_token_id, 0, anchors=[chunk],
                                                            mask_dtype=dtype).to(device)).double().cpu()
@@ -193,9 +193,10 @@ def expected_tau_per_prompt(drafter, prompts: list[list[int]], trajectories: lis
     return means
 
 
-def evaluate(drafter, prompts, config: ScoreConfig, trajectories=None, target=None) -> Evaluation:
-    """tau (and hits) of `drafter` with the async decoder, replayed in batches or live per prompt; with a
-    criterion that needs it (and `trajectories`), its expected acceptance length per prompt too."""
+def evaluate(drafter, prompts, config: ScoreConfig, trajectories=None, target=None,
+             expected: bool = False) -> Evaluation:
+    """tau (and hits) of `drafter` with the async decoder, replayed in batches or live per prompt; with
+    `expected` (a scoring round whose criterion reads it), its expected acceptance length per prompt too."""
     block = config.decode.block_size or drafter.config.block_size
     results: list[DecodeResult] = []
     if config.verify == "replay":
@@ -206,10 +207,8 @@ def evaluate(drafter, prompts, config: ScoreConfig, trajectories=None, target=No
     else:
         for prompt in prompts:
             results += decode_speculative("async", drafter, [LiveVerifier(target)], [prompt], config.decode)
-    expected = None
-    if CRITERIA[config.criterion].needs_expected_tau and trajectories is not None:
-        expected = expected_tau_per_prompt(drafter, prompts, trajectories)
-    return Evaluation.of(results, block, expected)
+    per_prompt = expected_tau_per_prompt(drafter, prompts, trajectories) if expected else None
+    return Evaluation.of(results, block, per_prompt)
 
 
 def bootstrap_interval(deltas: list[float], resamples: int, confidence: float, seed: int) -> tuple[float, float]:
@@ -297,7 +296,7 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
         take: layers the caller removes after this round (the check above).
     """
     config.validate()
-    if (config.verify == "replay" or CRITERIA[config.criterion].needs_expected_tau) and trajectories is None:
+    if config.needs_trajectories and trajectories is None:
         if target is None:
             raise ConfigError(f"{config.verify} scoring by {config.criterion} needs the target once to record "
                               "trajectories, or trajectories")
@@ -311,7 +310,8 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
     first = slice(0, screen or len(prompts))
 
     def run(model, part: slice = slice(None)) -> Evaluation:
-        return evaluate(model, prompts[part], config, trajectories and trajectories[part], target)
+        return evaluate(model, prompts[part], config, trajectories and trajectories[part], target,
+                        config.needs_expected_tau)
 
     journal = journal if journal is not None else ScoringMemory()
     if screen and journal.screen_base is None:
@@ -457,6 +457,9 @@ def cached_scores(folder: Path | None, drafter, prompts: list[list[int]], config
     in `journal` whole, as a computed round leaves it. A round that uses `carried` scores (score_layers) is
     never stored: it is not the full round that `prune score` caches."""
     layers = drafter.config.num_hidden_layers
+    if trajectories is None and config.needs_trajectories and folder is not None and target is not None:
+        # Live scoring by expected acceptance: record the trajectories once, not in every round.
+        trajectories = cached_trajectories(folder, target, prompts, config.decode)
 
     def score() -> ScoreReport:
         return score_layers(drafter, prompts, config, target=target, trajectories=trajectories, on_layer=on_layer,

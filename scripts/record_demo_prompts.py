@@ -11,12 +11,12 @@ so the file made here is the shipped one byte for byte.
 
 import json
 
-from models.demo import DEMO_DRAFTER_DIR
+from models.demo import DEMO_DRAFTER_DIR, DEMO_HEAL_DATA
 from models.provenance import FILE, prompt_set, summary, training_prompts_text
 from prune.training.data import training_prompt_set
 from prune.training.prompts import collect_training_prompts
 
-DATA = ("data/demo-distill", "data/demo-distill-suites", "data/demo-distill-suites2", "data/demo-distill-everyday")
+DATA = tuple(folder for folder, _ in DEMO_HEAL_DATA)  # the drafter's last training mix, in its order
 STYLES = (("demo-distill-calib", "train", 257), ("demo-distill-champ", "champ", 921))
 
 

@@ -124,13 +124,23 @@ class LossOutput:
         return float(self.accept_sum) / blocks if blocks else float("nan")
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_blocks: int, generator: torch.Generator) -> list[int]:
-    """Up to `num_blocks` distinct anchors p (sorted) with loss_mask[p] and loss_mask[p + 1].
+def anchor_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """LongTensor: every position p where a block can be anchored, loss_mask[p] and loss_mask[p + 1] (both
+    response tokens; at inference a round starts at a verified response token).
 
     Args:
         loss_mask: BoolTensor `(L,)`.
     """
-    valid = torch.nonzero(loss_mask[:-1] & loss_mask[1:]).flatten()
+    return torch.nonzero(loss_mask[:-1] & loss_mask[1:]).flatten()
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_blocks: int, generator: torch.Generator) -> list[int]:
+    """Up to `num_blocks` distinct anchors (`anchor_positions`), sorted.
+
+    Args:
+        loss_mask: BoolTensor `(L,)`.
+    """
+    valid = anchor_positions(loss_mask)
     if valid.numel() == 0 or num_blocks <= 0:
         return []
     pick = torch.randperm(valid.numel(), generator=generator)[:num_blocks]
@@ -271,6 +281,15 @@ def _supervised_logits(model: torch.nn.Module, batch: DiffusionBatch, rows: torc
     return masked_logits(lm, hidden.reshape(-1, hidden.shape[-1])[rows])
 
 
+def draft_slots(batch: DiffusionBatch, values: torch.Tensor, fill) -> torch.Tensor:
+    """`(blocks, B - 1)`: per-slot `values` `(S,)` of the batch's supervised slots laid out by block, draft slots
+    1..B-1 only (the block's last slot has no draft to verify), `fill` where a slot is not supervised."""
+    size = batch.block_size
+    dense = torch.full((batch.num_blocks * size,), fill, dtype=values.dtype, device=values.device)
+    dense[batch.slot_block * size + batch.slot_number] = values
+    return dense.view(-1, size)[:, : size - 1]
+
+
 def teacher_divergence(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
     """KL(teacher || model) per row `(rows,)`, over the ids both leave finite (masked ids are -inf in both)."""
     finite = torch.isfinite(teacher_logits)
@@ -313,15 +332,9 @@ def drafter_loss(
             0, batch.slot_number, correct.long()
         )
         slot_count = torch.bincount(batch.slot_number, minlength=size)
-        # Dense (blocks, B) tables for the leading-run acceptance proxy over full blocks.
-        dense_ok = torch.zeros(batch.num_blocks * size, dtype=torch.bool, device=ce.device)
-        dense_valid = torch.zeros_like(dense_ok)
-        flat_slot = batch.slot_block * size + batch.slot_number
-        dense_ok[flat_slot] = correct
-        dense_valid[flat_slot] = True
-        dense_ok = dense_ok.view(-1, size)[:, : size - 1]
-        full = dense_valid.view(-1, size)[:, : size - 1].all(-1)
-        run = dense_ok.long().cumprod(-1).sum(-1)  # (blocks,) leading correct slots
+        # (blocks, B - 1) tables for the leading-run acceptance proxy over full blocks.
+        full = draft_slots(batch, torch.ones_like(correct), False).all(-1)
+        run = draft_slots(batch, correct, False).long().cumprod(-1).sum(-1)  # (blocks,) leading correct slots
         accept_sum = (run[full] + 1).sum()
         accept_blocks = full.sum()
     return LossOutput(total, diff.detach(), ar.detach(), slot_correct, slot_count, accept_sum, accept_blocks)
@@ -340,7 +353,4 @@ def expected_acceptance(model: torch.nn.Module, batch: DiffusionBatch) -> torch.
     """
     logits = _supervised_logits(model, batch, batch.slot_rows)  # (S, vocab) float32
     prob = logits.log_softmax(-1).gather(-1, batch.slot_targets[:, None]).squeeze(-1).exp()
-    size = batch.block_size
-    dense = torch.zeros(batch.num_blocks * size, dtype=prob.dtype, device=prob.device)
-    dense[batch.slot_block * size + batch.slot_number] = prob
-    return 1.0 + dense.view(-1, size)[:, : size - 1].cumprod(-1).sum(-1)
+    return 1.0 + draft_slots(batch, prob, 0.0).cumprod(-1).sum(-1)
