@@ -33,17 +33,18 @@ from .export import export_step, read_report, resolve_export_dtype
 CHECKPOINT_EVERY = 10  # updates between checkpoints of a resumable heal (a minute or two on two CPU cores)
 
 
-def train_config(config: HealConfig, checkpoint_dir=None, progress: bool = False) -> TrainConfig:
+def train_config(config: HealConfig, checkpoint_dir=None, progress: bool = False, label: str = "heal") -> TrainConfig:
     """The training loop's settings for a heal (prune.training.config.TrainConfig).
 
     `checkpoint_dir`: keep the adapter's training state there every `CHECKPOINT_EVERY` updates, and continue
-    from it when it holds a checkpoint of these settings (a long heal killed midway resumes)."""
+    from it when it holds a checkpoint of these settings (a long heal killed midway resumes). `progress`,
+    `label`: show the updates on stderr under that name."""
     return TrainConfig(
         steps=config.steps, batch_size=config.batch_size, lr=config.lr,
         warmup_steps=min(config.warmup_steps, config.steps), blocks_per_sequence=config.blocks_per_sequence,
         max_length=config.max_length, gamma=config.gamma, distill_weight=config.distill_weight, seed=config.seed,
         checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
-        checkpoint_every=CHECKPOINT_EVERY if checkpoint_dir else 0, progress=progress,
+        checkpoint_every=CHECKPOINT_EVERY if checkpoint_dir else 0, progress=progress, progress_label=label,
     )
 
 
@@ -61,16 +62,16 @@ def add_lora(model: torch.nn.Module, config: HealConfig):
 
 
 def heal(model: torch.nn.Module, examples: list[Example], config: HealConfig, device=None, teacher=None,
-         checkpoint_dir=None, progress: bool = False):
+         checkpoint_dir=None, progress: bool = False, label: str = "heal"):
     """LoRA-fine-tune a copy of `model` on `examples` and merge it; returns (healed model, loss history).
 
     `teacher`: the drafter `model` was pruned from, matched with weight `config.distill_weight`.
-    `checkpoint_dir`, `progress`: as in `train_config`."""
+    `checkpoint_dir`, `progress`, `label`: as in `train_config`."""
     config.validate()
     if config.steps == 0:
         return copy.deepcopy(model), []
     peft_model = add_lora(model, config)
-    history = train(peft_model, examples, train_config(config, checkpoint_dir, progress), device=device,
+    history = train(peft_model, examples, train_config(config, checkpoint_dir, progress, label), device=device,
                     teacher=teacher if config.distill_weight > 0 else None)
     fault_point("heal")
     merged = peft_model.merge_and_unload()

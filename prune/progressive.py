@@ -75,11 +75,14 @@ class RunHooks:
             (OUT/final, report). Used by sweeps (Optuna pruning) and tracking (W&B).
         progress: optional factory(description, total) of a context manager yielding `advance()`, called once
             per scored layer (e.g. `prune.progress.progress_bar`).
+        heal_progress: show each heal's LoRA updates on stderr (the training loop's bar, or a line now and then
+            in a log): a heal is the longest silent stretch of a run otherwise.
     """
 
     log: Callable = print
     on_step: Callable | None = None
     progress: Callable | None = None
+    heal_progress: bool = False
 
 
 @dataclass
@@ -253,9 +256,12 @@ def _heal(run: _Run, reduced, before: Evaluation, previous_tau: float, step: int
         run.log(f"step {step}: the removal cost {drop:+.2%} of calibration tau (< --heal-min-drop "
                 f"{config.min_drop:.2%}): not healed")
         return reduced, before, [], False
+    run.log(f"step {step}: the removal cost {drop:.2%} of calibration tau: healing ({config.steps} LoRA updates, "
+            f"--heal-distill {config.distill_weight:g})")
     started = time.monotonic()
     # The teacher of a distilling heal is the unpruned drafter: what every step tries to stay close to.
-    candidate, losses = heal(reduced, examples, config, teacher=run.campaign.drafter)
+    candidate, losses = heal(reduced, examples, config, teacher=run.campaign.drafter,
+                             progress=run.hooks.heal_progress, label=f"step {step}: heal")
     candidate = round_to_dtype(candidate, run.dtype)  # judge the heal by the weights that are exported
     after = run.evaluate(candidate)
     run.log(f"step {step}: healed in {clock(time.monotonic() - started)}: tau {before.tau:.3f} -> {after.tau:.3f}")

@@ -138,7 +138,8 @@ def _run(args) -> int:
         "out": args.out, "resume": args.resume}, drafter_hash, out=args.out)
     campaign = Campaign(pair.drafter, drafter_dir, prompts, pair.target, trajectories, examples, cache)
     hooks = RunHooks(log=lambda message: print(message, file=sys.stderr), on_step=tracker.on_step,
-                     progress=functools.partial(progress_bar, enabled=show_progress(args.json)))
+                     progress=functools.partial(progress_bar, enabled=show_progress(args.json)),
+                     heal_progress=show_progress(args.json))
     try:
         timing = (None if args.resume and has_run(args.out) else
                   campaign_timing(pair.drafter, config.score, pair.target, times, cache))

@@ -40,6 +40,7 @@ class TrainConfig:
         checkpoint_dir: the checkpoint folder; None disables checkpoints.
         resume: continue from `checkpoint_dir` when it holds a checkpoint of this config.
         progress: show a progress bar on stderr.
+        progress_label: the progress bar's name (a log's lines start with it).
         max_seconds: stop early once this call has trained this long (0 = no limit); for machines lent for a
             fixed time. The stop depends on timing, so such a run is reproducible only up to the step reached.
     """
@@ -68,6 +69,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     resume: bool = True
     progress: bool = True
+    progress_label: str = "train"
     max_seconds: float = 0.0
 
     def validate(self) -> None:

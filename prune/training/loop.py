@@ -29,7 +29,8 @@ from .loss import DiffusionBatch, Example, build_batch, causal_lm, drafter_loss,
 
 CHECKPOINT_STATE = "trainer_state.json"
 # Settings that may change between a run and its resumption without changing its result.
-RESUME_FREE_FIELDS = ("eval_every", "checkpoint_every", "checkpoint_dir", "resume", "progress", "max_seconds")
+RESUME_FREE_FIELDS = ("eval_every", "checkpoint_every", "checkpoint_dir", "resume", "progress", "progress_label",
+                      "max_seconds")
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:
@@ -184,7 +185,8 @@ def train(
         teacher.to(device)  # read under no_grad only (prune.training.loss), so it is neither trained nor changed
     model.train()
     call_start = time.perf_counter()
-    with _progress_bar(config.progress, config.steps, step) as advance, ThreadPoolExecutor(1) as worker:
+    bar = _progress_bar(config.progress, config.progress_label, config.steps, step)
+    with bar as advance, ThreadPoolExecutor(1) as worker:
         batches.start(worker)  # the CPU builds the next batch while the device computes this one
         while step < config.steps:
             record = _update(model, batches, optim, config, device, step, teacher)
@@ -244,7 +246,7 @@ def _update(model: torch.nn.Module, batches: _Batches, optim: _Optimizer, config
     }
 
 
-def _progress_bar(enabled: bool, total: int, done: int):
+def _progress_bar(enabled: bool, label: str, total: int, done: int):
     """Context manager yielding `advance(record)`: a rich bar with the loss on a terminal, a line now and then in
     a log file (prune.progress), nothing when disabled."""
     import contextlib
@@ -258,16 +260,16 @@ def _progress_bar(enabled: bool, total: int, done: int):
         if not sys.stderr.isatty():
             from prune import progress
 
-            with progress.progress_bar("train", total - done, log_every_s=progress.LOG_EVERY_S) as advance:
+            with progress.progress_bar(label, total - done, log_every_s=progress.LOG_EVERY_S) as advance:
                 yield lambda record: advance()
             return
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        columns = (TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                    TextColumn("{task.fields[status]}"))
         with Progress(*columns, console=Console(stderr=True)) as progress:
-            task = progress.add_task("train", total=total, completed=done, status="")
+            task = progress.add_task(label, total=total, completed=done, status="")
             yield lambda record: progress.update(
                 task, advance=1, status=f"loss {record['loss']:.3f} acc1 {record['slot1_acc']:.3f}")
 
