@@ -88,10 +88,10 @@ class HealConfig:
             passes the unpruned drafter) instead of the target's tokens (`TrainConfig.distill_weight`). 1: KL
             to the teacher only; cross entropy on the target's tokens left held-out tau flat on the demo pair,
             KL raised it (docs/design.md, Progressive pruning).
-        min_drop: a campaign heals a step only when the removal lowered calibration tau by at least this
-            fraction of the tau before it (0: every step). A heal of a removal that cost nothing measurable
-            has nothing to recover, and 16 calibration prompts judge it against noise of about this size
-            (docs/design.md, Progressive pruning).
+        min_drop: a campaign heals a step only when its drafter has lost at least this fraction of the
+            unpruned drafter's calibration tau (0: every step). A drafter still at the unpruned tau has nothing
+            to recover, and 16 calibration prompts judge a heal against noise of about this size (docs/design.md,
+            Progressive pruning).
         seed: seeds adapter initialisation, batch order and anchors.
     """
 

@@ -231,8 +231,7 @@ def _remove_and_heal(run: _Run, current, scores: ScoreReport, chosen: list[int],
                             removed.packed_share, removed.packed_tokens)
     else:
         before = run.evaluate(reduced)
-    previous = state.last.tau if state.history else state.base.tau
-    healed, measured, losses, rolled_back = _heal(run, reduced, before, previous, step)
+    healed, measured, losses, rolled_back = _heal(run, reduced, before, state.base.tau, step)
     layers = healed.config.num_hidden_layers
     record = StepRecord(
         step=step, folder=f"step-{step:02d}", removed=chosen,
@@ -244,20 +243,20 @@ def _remove_and_heal(run: _Run, current, scores: ScoreReport, chosen: list[int],
     return healed, record
 
 
-def _heal(run: _Run, reduced, before: Evaluation, previous_tau: float, step: int):
-    """LoRA-heal `reduced` (measured as `before`; the drafter it was cut from measured `previous_tau`) when the
-    removal cost at least `HealConfig.min_drop` of that tau, keeping the heal only if it does not lower tau;
-    returns (drafter, its Evaluation, heal loss history, whether the heal was rolled back)."""
+def _heal(run: _Run, reduced, before: Evaluation, base_tau: float, step: int):
+    """LoRA-heal `reduced` (measured as `before`) when it has lost at least `HealConfig.min_drop` of the
+    unpruned drafter's calibration tau `base_tau`, keeping the heal only if it does not lower tau; returns
+    (drafter, its Evaluation, heal loss history, whether the heal was rolled back)."""
     examples, config = run.campaign.heal_examples, run.config.heal
     if not (examples and config.steps > 0):
         return reduced, before, [], False
-    drop = 1 - before.tau / previous_tau if previous_tau > 0 else 0.0
-    if config.min_drop > 0 and drop < config.min_drop:
-        run.log(f"step {step}: the removal cost {drop:+.2%} of calibration tau (< --heal-min-drop "
-                f"{config.min_drop:.2%}): not healed")
+    lost = 1 - before.tau / base_tau if base_tau > 0 else 0.0
+    if config.min_drop > 0 and lost < config.min_drop:
+        run.log(f"step {step}: the drafter keeps {1 - lost:.2%} of the unpruned calibration tau (heals below "
+                f"{1 - config.min_drop:.2%}, --heal-min-drop): not healed")
         return reduced, before, [], False
-    run.log(f"step {step}: the removal cost {drop:.2%} of calibration tau: healing ({config.steps} LoRA updates, "
-            f"--heal-distill {config.distill_weight:g})")
+    run.log(f"step {step}: the drafter keeps {1 - lost:.2%} of the unpruned calibration tau: healing "
+            f"({config.steps} LoRA updates, --heal-distill {config.distill_weight:g})")
     started = time.monotonic()
     # The teacher of a distilling heal is the unpruned drafter: what every step tries to stay close to.
     candidate, losses = heal(reduced, examples, config, teacher=run.campaign.drafter,

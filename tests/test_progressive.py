@@ -93,28 +93,36 @@ def test_a_heal_that_hurts_is_rolled_back(campaign, tmp_path):
     assert step["heal_rolled_back"] is True and step["tau"] == step["tau_before_heal"]
 
 
-def test_a_step_is_healed_only_when_its_removal_cost_enough_tau(campaign, tmp_path):
+def test_a_step_is_healed_only_when_its_drafter_lost_enough_of_the_unpruned_tau(campaign, tmp_path):
     decode = campaign[4]
     logged = []
     target, drafter, root, prompts, _, trajectories, examples = campaign
     config = config_of(decode, heal=HealConfig(steps=3, rank=2, alpha=4, batch_size=2, lr=1e-3, min_drop=0.0))
     every = run(campaign, tmp_path / "every", config)
-    drops = [1 - h["tau_before_heal"] / before for h, before in
-             zip(every["history"], [every["base"]["tau"]] + [h["tau"] for h in every["history"]])]
     assert all(h["heal_loss"] for h in every["history"])  # min_drop 0: every step healed
-    # A threshold between the two steps' losses heals exactly the steps that lost more than it.
-    threshold = (min(drops) + max(drops)) / 2 if min(drops) != max(drops) else max(drops) + 1e-9
-    config.heal.min_drop = max(threshold, 1e-9)
-    some = run_pruning(Campaign(drafter, root / "source", prompts, target, trajectories, examples), tmp_path / "some",
-                       config, hooks=RunHooks(log=logged.append)).to_dict()
-    first = some["history"][0]
-    assert first["removed_original"] == every["history"][0]["removed_original"]
-    healed = drops[0] >= config.heal.min_drop
-    assert bool(first["heal_loss"]) == healed and (healed or first["tau"] == first["tau_before_heal"])
-    step_one = [line for line in logged if line.startswith("step 1: the removal cost")]
-    assert len(step_one) == 1 and ("healing (3 LoRA updates" in step_one[0]) == healed != ("not healed" in step_one[0])
-    if not healed:
-        assert "| not needed |" in (tmp_path / "some" / "report.md").read_text()
+    config.heal.min_drop = 1.0  # nothing loses all of its tau: no step healed
+    never = run(campaign, tmp_path / "never", config)
+    assert not any(h["heal_loss"] for h in never["history"])
+    # Each step's loss is measured against the unpruned tau, not against the step before: the first step
+    # that lost any, `k`, is healed by a threshold just below its loss and not by one just above it, while
+    # the steps before it (which gained tau) are healed by neither.
+    lost = [1 - h["tau_before_heal"] / never["base"]["tau"] for h in never["history"]]
+    k = next(i for i, value in enumerate(lost) if value > 1e-3)
+    for margin, healed in ((1e-6, False), (-1e-6, True)):
+        config.heal.min_drop = lost[k] + margin
+        logged.clear()
+        out = tmp_path / f"some{margin}"
+        some = run_pruning(Campaign(drafter, root / "source", prompts, target, trajectories, examples), out,
+                           config, hooks=RunHooks(log=logged.append)).to_dict()
+        assert [h["removed_original"] for h in some["history"][:k + 1]] == \
+            [h["removed_original"] for h in never["history"][:k + 1]]
+        assert [bool(h["heal_loss"]) for h in some["history"][:k + 1]] == [False] * k + [healed]
+        step = some["history"][k]
+        assert healed or step["tau"] == step["tau_before_heal"]
+        said = [line for line in logged if line.startswith(f"step {k + 1}: the drafter keeps")]
+        assert len(said) == 1 and ("healing (3 LoRA updates" in said[0]) == healed != ("not healed" in said[0])
+        if not healed:
+            assert "| not needed |" in (out / "report.md").read_text()
 
 
 def test_retention_floor_stops_before_the_step(campaign, tmp_path):

@@ -46,10 +46,10 @@ def add_parser(subparsers) -> None:
         help="prune layers progressively: score, remove, heal with LoRA, export each step",
         description="Progressive pruning: score the remaining layers (async decoder, replayed target "
         "trajectories), remove the least harmful (--per-step at a time), heal with a short LoRA fine-tune on "
-        "distillation data when the removal cost --heal-min-drop of tau (kept only if it does not lower tau), "
-        "export the step to OUT/step-XX, repeat. Stops at --layers-to-remove, at --min-retention of the unpruned "
-        "calibration tau, or when predicted speedup falls --speedup-tolerance below the best so far. OUT/final "
-        "points at the last step taken." + EXAMPLES,
+        "distillation data when the drafter has lost --heal-min-drop of the unpruned tau (kept only if it does "
+        "not lower tau), export the step to OUT/step-XX, repeat. Stops at --layers-to-remove, at --min-retention "
+        "of the unpruned calibration tau, or when predicted speedup falls --speedup-tolerance below the best so "
+        "far. OUT/final points at the last step taken." + EXAMPLES,
     )
     add_model_args(parser)
     add_prompt_args(parser, default_suite="humaneval:calib", max_new_tokens=64, limit=16)
@@ -88,8 +88,8 @@ def add_parser(subparsers) -> None:
                         help="share of the heal loss that matches the unpruned drafter's predictions (KL) instead of "
                         "the target's tokens (1: KL only; 0: cross entropy on the target's tokens only)")
     parser.add_argument("--heal-min-drop", type=_types.fraction, default=HEAL["min_drop"], metavar="F",
-                        help="heal a step only when its removal lowered calibration tau by at least this fraction "
-                        "(0: heal every step)")
+                        help="heal a step only when its drafter has lost at least this fraction of the unpruned "
+                        "calibration tau (0: heal every step)")
     parser.add_argument("--seed", type=_types.non_negative_int, default=SCORE["seed"],
                         help="seeds healing and the bootstrap")
     add_export_dtype_arg(parser)
