@@ -34,7 +34,7 @@ def preheal(runs: list[Path]) -> None:
         previous = source
         for step in state["history"]:
             folder = run / f"preheal-{step['step']:02d}"
-            if not step["heal_rolled_back"] and not folder.exists():
+            if _heal_kept(step) and not folder.exists():
                 save_drafter(remove_layers(load_drafter(previous), step["removed"]), folder, tokenizer_source=source)
             previous = run / step["folder"]
 
@@ -43,8 +43,13 @@ def drafters(runs: list[Path]) -> list[str]:
     steps = runs[0]  # the per-step run; its last step is steps/final, measured on every suite already
     folders = [str(steps / s["folder"]) for s in _steps(steps)[:-1]]
     for run in runs:
-        folders += [str(run / f"preheal-{s['step']:02d}") for s in _steps(run) if not s["heal_rolled_back"]]
+        folders += [str(run / f"preheal-{s['step']:02d}") for s in _steps(run) if _heal_kept(s)]
     return folders
+
+
+def _heal_kept(step: dict) -> bool:
+    """A step healed (the run heals only steps that lost enough tau) whose heal was not rolled back."""
+    return bool(step["heal_loss"]) and not step["heal_rolled_back"]
 
 
 def _taus(out: Path, suite: str) -> dict:
@@ -80,11 +85,11 @@ def table(out: Path, drafter: str, suites: list[str]) -> str:
         for step in _steps(out / name):
             removed += len(step["removed"])
             pre = taus[suites[0]].get(str((out / name / f"preheal-{step['step']:02d}").resolve()))
-            heal = "rolled back" if step["heal_rolled_back"] else "kept"
+            heal = "not needed" if not step["heal_loss"] else "rolled back" if step["heal_rolled_back"] else "kept"
             rows.append((removed, f"| {removed} | {name} step {step['step']} ({','.join(map(str, step['removed_original']))}) | "
                          f"{step['tau_before_heal']:.3f} | {step['tau']:.3f} | {heal} | "
                          + " | ".join(held_out(str(out / name / step["folder"])))
-                         + f" | {'same' if step['heal_rolled_back'] else '-' if pre is None else f'{pre[0]:.3f}'} |"))
+                         + f" | {'-' if pre is None or not _heal_kept(step) else f'{pre[0]:.3f}'} |"))
     lines += [row for _, row in sorted(rows, key=lambda r: r[0])]
     return "\n".join(lines)
 

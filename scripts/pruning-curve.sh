@@ -4,7 +4,7 @@
 # layers per step up to 12, one removing 5 at once (its scoring round is the first one's, read from the score cache); then
 # every step's drafter, healed and before its heal, against the unpruned one on the evaluation parts of the
 # three suites (async, greedy, B = 16, replay of the target's float32 outputs, 128 tokens), as one table.
-# About 75 minutes on 2 CPU cores; every part resumes or is skipped when its output exists.
+# About 85 minutes on 2 CPU cores with distilled heals; every part resumes or is skipped when its output exists.
 #
 #   bash scripts/pruning-curve.sh OUT [DRAFTER] [HEAL_DATA]     (defaults: the demo drafter, data/demo-distill)
 #
