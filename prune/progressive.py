@@ -251,12 +251,11 @@ def _heal(run: _Run, reduced, before: Evaluation, base_tau: float, step: int):
     if not (examples and config.steps > 0):
         return reduced, before, [], False
     lost = 1 - before.tau / base_tau if base_tau > 0 else 0.0
+    standing = f"step {step}: the drafter keeps {1 - lost:.2%} of the unpruned calibration tau"
     if config.min_drop > 0 and lost < config.min_drop:
-        run.log(f"step {step}: the drafter keeps {1 - lost:.2%} of the unpruned calibration tau (heals below "
-                f"{1 - config.min_drop:.2%}, --heal-min-drop): not healed")
+        run.log(f"{standing} (heals below {1 - config.min_drop:.2%}, --heal-min-drop): not healed")
         return reduced, before, [], False
-    run.log(f"step {step}: the drafter keeps {1 - lost:.2%} of the unpruned calibration tau: healing "
-            f"({config.steps} LoRA updates, --heal-distill {config.distill_weight:g})")
+    run.log(f"{standing}: healing ({config.steps} LoRA updates, --heal-distill {config.distill_weight:g})")
     started = time.monotonic()
     # The teacher of a distilling heal is the unpruned drafter: what every step tries to stay close to.
     candidate, losses = heal(reduced, examples, config, teacher=run.campaign.drafter,

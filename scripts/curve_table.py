@@ -85,11 +85,12 @@ def table(out: Path, drafter: str, suites: list[str]) -> str:
         for step in _steps(out / name):
             removed += len(step["removed"])
             pre = taus[suites[0]].get(str((out / name / f"preheal-{step['step']:02d}").resolve()))
-            heal = "not needed" if not step["heal_loss"] else "rolled back" if step["heal_rolled_back"] else "kept"
+            healed, kept = bool(step["heal_loss"]), _heal_kept(step)
+            heal = "kept" if kept else "rolled back" if healed else "not needed"
             rows.append((removed, f"| {removed} | {name} step {step['step']} ({','.join(map(str, step['removed_original']))}) | "
                          f"{step['tau_before_heal']:.3f} | {step['tau']:.3f} | {heal} | "
                          + " | ".join(held_out(str(out / name / step["folder"])))
-                         + f" | {'-' if pre is None or not _heal_kept(step) else f'{pre[0]:.3f}'} |"))
+                         + f" | {'same' if healed and not kept else '-' if pre is None or not kept else f'{pre[0]:.3f}'} |"))
     lines += [row for _, row in sorted(rows, key=lambda r: r[0])]
     return "\n".join(lines)
 

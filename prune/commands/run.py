@@ -137,9 +137,9 @@ def _run(args) -> int:
         "target": target_path, "prompts": source, "prompt_count": len(prompts), "heal_data": heal_data,
         "out": args.out, "resume": args.resume}, drafter_hash, out=args.out)
     campaign = Campaign(pair.drafter, drafter_dir, prompts, pair.target, trajectories, examples, cache)
+    shown = show_progress(args.json)
     hooks = RunHooks(log=lambda message: print(message, file=sys.stderr), on_step=tracker.on_step,
-                     progress=functools.partial(progress_bar, enabled=show_progress(args.json)),
-                     heal_progress=show_progress(args.json))
+                     progress=functools.partial(progress_bar, enabled=shown), heal_progress=shown)
     try:
         timing = (None if args.resume and has_run(args.out) else
                   campaign_timing(pair.drafter, config.score, pair.target, times, cache))
