@@ -89,7 +89,7 @@ class HealConfig:
             to the teacher only; cross entropy on the target's tokens left held-out tau flat on the demo pair,
             KL raised it (docs/design.md, Progressive pruning).
         min_drop: a campaign heals a step only when its drafter has lost at least this fraction of the
-            unpruned drafter's calibration tau (0: every step). A drafter still at the unpruned tau has nothing
+            unpruned drafter's tau on the prompts that judge steps (RunConfig.check_prompts; 0: every step). A drafter still at the unpruned tau has nothing
             to recover, and 16 calibration prompts judge a heal against noise of about this size (docs/design.md,
             Progressive pruning).
         seed: seeds adapter initialisation, batch order and anchors.
@@ -132,7 +132,8 @@ class RunConfig:
 
     Attributes:
         layers_to_remove: stop after removing this many layers (None: only the other rules stop).
-        min_retention: never take a step whose calibration tau falls below this fraction of the unpruned tau.
+        min_retention: never take a step whose tau falls below this fraction of the unpruned tau (both on the
+            prompts that judge steps, `check_prompts`).
         per_step: layers removed per step.
         stop_on_speedup: stop before a step whose predicted speedup falls `speedup_tolerance` or more below the
             best so far (the unpruned drafter's or a step's).
@@ -142,6 +143,16 @@ class RunConfig:
             a positive tolerance prunes deeper; but the layers that score lowest on the calibration prompts
             lose more on held-out prompts than on them, and the strict rule is what keeps held-out tau
             (docs/design.md, Progressive pruning, has both measured).
+        check_prompts: prompts, disjoint from the calibration prompts, on which every step is judged: the unpruned
+            drafter's tau, each step's tau before and after its heal, and so the retention floor, the heal rule and
+            rollback and the speedup stop all read them. The calibration prompts chose the step's layers because
+            their removal measured well there (the lowest of dozens of noisy scores is biased low), so a step's
+            tau on them overstates what it keeps; on other prompts it does not (docs/design.md, Progressive
+            pruning). 0: judge on the calibration prompts. A campaign (prune.progressive.Campaign) carries
+            exactly this many.
+        check_candidates: with check prompts and one layer per step, the layers a step may try, lowest score
+            first: it takes the first whose removal the stop rules accept without a heal, and when none is, the
+            lowest, healed when it lost enough (prune.progressive._take_step). 1: the lowest only.
         carry_screen: a screening round after the first step screens by the previous round's scores instead
             of a first pass over every layer (prune.scoring.score_layers, `carried`): it scores the previous
             round's `screen_keep` lowest layers on every prompt, and the others only when those no longer
@@ -155,6 +166,8 @@ class RunConfig:
     per_step: int = 1
     stop_on_speedup: bool = True
     speedup_tolerance: float = 0.0
+    check_prompts: int = 16
+    check_candidates: int = 3
     carry_screen: bool = True
     score: ScoreConfig = field(default_factory=ScoreConfig)
     heal: HealConfig = field(default_factory=HealConfig)
@@ -166,6 +179,9 @@ class RunConfig:
             raise ConfigError(f"--speedup-tolerance {self.speedup_tolerance} must be in [0, 1)")
         if self.per_step < 1:
             raise ConfigError(f"--per-step {self.per_step} must be at least 1")
+        if self.check_prompts < 0 or self.check_candidates < 1:
+            raise ConfigError(f"--check-prompts {self.check_prompts} must be >= 0 and --check-candidates "
+                              f"{self.check_candidates} >= 1")
         if self.score.screen_prompts and self.per_step > self.score.screen_keep:
             raise ConfigError(f"--per-step {self.per_step} removes more layers than the {self.score.screen_keep} "
                               "that screening scores on every prompt; raise --screen-keep or pass "

@@ -1,8 +1,10 @@
 """Progressive pruning (docs/design.md, Progressive pruning): score -> remove -> heal -> measure -> export, repeated.
 
-Each step scores the remaining layers (prune.scoring), removes the `per_step` least harmful ones, heals
-with LoRA (prune.heal) and keeps the healed weights only if they do not lower calibration tau, then
-exports the step to OUT/step-XX and records it in OUT/state.json. The run stops at a layer budget, at a
+Each step scores the remaining layers on the calibration prompts (prune.scoring), removes the `per_step`
+least harmful ones, heals with LoRA (prune.heal) and keeps the healed weights only if they do not lower tau,
+then exports the step to OUT/step-XX and records it in OUT/state.json. Steps are judged (heal rule and
+rollback, stop rules) on check prompts disjoint from the calibration prompts (RunConfig.check_prompts): on
+the prompts that chose its layers a step reads better than it is. The run stops at a layer budget, at a
 retention floor, or when predicted speedup falls a tolerance below the best so far (a step that breaks a rule
 is not taken); the state says which rule stopped it. A run resumes from its last completed step, and an
 unfinished scoring round from its last evaluated layer (prune.journal): a run killed at any moment and
@@ -47,9 +49,12 @@ class Campaign:
     Attributes:
         drafter: the unpruned drafter, in the compute dtype (float32 recommended).
         source_dir: its folder (tokenizer files, generation config and provenance for the exports).
-        prompts: calibration prompts (token ids).
+        prompts: calibration prompts (token ids): scoring rounds rank the layers on them.
         target: the target model (live verification, pass times; with it, scoring rounds are cached).
         trajectories: the prompts' recorded target trajectories (replay; prune.scoring.cached_trajectories).
+        check_prompts: prompts disjoint from `prompts` that judge every step (RunConfig.check_prompts of them);
+            None or empty: the steps are judged on `prompts`.
+        check_trajectories: their recorded target trajectories (replay).
         heal_examples: distillation `Example`s for healing (None or empty disables healing).
         cache: the cache folder (prune.cache): the campaign's timing is kept there, and a scoring round that
             `prune score` scored with the same settings is read from there; None caches nothing.
@@ -62,6 +67,8 @@ class Campaign:
     trajectories: list | None = None
     heal_examples: list | None = None
     cache: Path | None = None
+    check_prompts: list | None = None
+    check_trajectories: list | None = None
 
 
 @dataclass
@@ -95,10 +102,18 @@ class _Run:
     dtype: object
     hooks: RunHooks
 
-    def evaluate(self, model) -> Evaluation:
-        """The async decoder's measurements of `model` on the calibration prompts."""
+    def judge(self, model) -> Evaluation:
+        """The async decoder's measurements of `model` on the prompts that judge steps: the check prompts, or
+        the calibration prompts when the campaign has none."""
         c = self.campaign
+        if c.check_prompts:
+            return evaluate(model, c.check_prompts, self.config.score, c.check_trajectories, c.target)
         return evaluate(model, c.prompts, self.config.score, c.trajectories, c.target)
+
+    @property
+    def judged_on(self) -> str:
+        """The prompts steps are judged on, in words."""
+        return "check" if self.campaign.check_prompts else "calibration"
 
     def log(self, message: str) -> None:
         self.hooks.log(message)
@@ -121,6 +136,7 @@ def run_pruning(campaign: Campaign, out, config: RunConfig, resume: bool = False
     A killed run loses at most the evaluation, heal or write it was doing: each scoring round keeps its layer
     evaluations in a journal (prune.journal), and every file is written atomically (models.checkpoint).
     """
+    _check_campaign(campaign, config)
     run = _Run(campaign, Path(out), config, resolve_export_dtype(export_dtype, campaign.source_dir),
                hooks or RunHooks())
     state, current = _open_state(run, resume, timing)
@@ -130,7 +146,7 @@ def run_pruning(campaign: Campaign, out, config: RunConfig, resume: bool = False
         if state.stopped_by is not None:
             break
         scores = _score_round(run, current, state, k)
-        healed, record = _remove_and_heal(run, current, scores, sorted(s.layer for s in scores.ranking()[:k]), state)
+        healed, record = _take_step(run, current, scores, k, state)
         state.stopped_by = _stop_rule(config, state, record)
         if state.stopped_by is not None:
             break
@@ -146,6 +162,17 @@ def run_pruning(campaign: Campaign, out, config: RunConfig, resume: bool = False
     write_report(run.out, state)
     remove_journals(run.out)
     return state
+
+
+def _check_campaign(campaign: Campaign, config: RunConfig) -> None:
+    """Refuse a campaign whose check prompts are not those the settings describe."""
+    checks = len(campaign.check_prompts or [])
+    if checks != config.check_prompts:
+        raise ConfigError(f"the campaign carries {checks} check prompts where the settings ask for "
+                          f"{config.check_prompts}; pass as many (Campaign.check_prompts) or set check_prompts")
+    if checks and config.score.verify == "replay" and len(campaign.check_trajectories or []) != checks:
+        raise ConfigError("replayed scoring needs the check prompts' target trajectories "
+                          "(Campaign.check_trajectories; prune.scoring.cached_trajectories)")
 
 
 def _open_state(run: _Run, resume: bool, timing: Timing | None) -> tuple[RunState, object]:
@@ -174,7 +201,7 @@ def _open_state(run: _Run, resume: bool, timing: Timing | None) -> tuple[RunStat
     if timing is not None and timing.layers != layers:
         raise ConfigError(f"the given timing is of a {timing.layers}-layer drafter, this one has {layers}; "
                           "measure it with campaign_timing(drafter, ...)")
-    base = run.evaluate(drafter)
+    base = run.judge(drafter)
     if timing is None:
         timing = campaign_timing(drafter, config.score, run.campaign.target, cache=run.campaign.cache)
     state = RunState(config_record(config), str(run.campaign.source_dir), timing,
@@ -220,39 +247,86 @@ def _score_round(run: _Run, current, state: RunState, take: int) -> ScoreReport:
     return report
 
 
-def _remove_and_heal(run: _Run, current, scores: ScoreReport, chosen: list[int], state: RunState):
-    """Remove layers `chosen` (current indices) from `current` and heal; returns (the step's drafter, its
-    StepRecord: what was removed, tau before and after healing, retention, predicted speedup, scores)."""
+def _candidates(run: _Run, scores: ScoreReport, k: int) -> list[list[int]]:
+    """The layer sets (current indices) a step that removes `k` may take, in order: the `k` lowest of the
+    ranking, then, when one layer goes per step and steps are judged on check prompts, the next lowest
+    layers, up to RunConfig.check_candidates in all."""
+    ranking = scores.ranking()
+    options = [sorted(s.layer for s in ranking[:k])]
+    if k == 1 and run.campaign.check_prompts:
+        options += [[s.layer] for s in ranking[1:run.config.check_candidates]]
+    return options
+
+
+def _take_step(run: _Run, current, scores: ScoreReport, k: int, state: RunState):
+    """Remove the layers of the step from `current` and heal; returns (the step's drafter, its StepRecord).
+
+    The candidates (`_candidates`) are judged in order as they are, and the first that the stop rules accept
+    and that needs no heal is the step. When none is, the first is the step: healed when it lost enough
+    (`_heal`), and then accepted or refused by the stop rules (run_pruning). The calibration ranking is
+    noisy among its lowest layers, so the next lowest often keeps the tau the lowest loses on the check
+    prompts; a try costs one evaluation on them, a heal dozens of training updates."""
     step = len(state.history) + 1
-    reduced = round_to_dtype(remove_layers(current, chosen), run.dtype)
-    if len(chosen) == 1:  # scoring already measured the drafter without exactly this layer
-        removed = scores.layers[chosen[0]]
-        before = Evaluation([], removed.tau_without, None, removed.fallback_rate, removed.verify_width,
-                            removed.packed_share, removed.packed_tokens)
-    else:
-        before = run.evaluate(reduced)
+    options = _candidates(run, scores, k)
+    first = None
+    for index, chosen in enumerate(options):
+        reduced = round_to_dtype(remove_layers(current, chosen), run.dtype)
+        if len(chosen) == 1 and not run.campaign.check_prompts:
+            # judged on the calibration prompts: scoring already measured the drafter without exactly this layer
+            removed = scores.layers[chosen[0]]
+            before = Evaluation([], removed.tau_without, None, removed.fallback_rate, removed.verify_width,
+                                removed.packed_share, removed.packed_tokens)
+        else:
+            before = run.judge(reduced)
+        record = _step_record(run, state, scores, chosen, before, before, [], False)
+        if _stop_rule(run.config, state, record) is None and not _needs_heal(run, before.tau, state.base.tau):
+            _heal(run, reduced, before, state.base.tau, step)  # says why it is not healed
+            return reduced, record
+        first = first or (chosen, reduced, before)
+        if index + 1 < len(options):
+            originals = [scores.layers[i].original_layer for i in chosen]
+            following = [scores.layers[i].original_layer for i in options[index + 1]]
+            run.log(f"step {step}: without original layers {originals} the drafter keeps {record.retention:.2%} of "
+                    f"the unpruned {run.judged_on} tau, short of a step taken as it is; trying original layers "
+                    f"{following} (--check-candidates)")
+    chosen, reduced, before = first
     healed, measured, losses, rolled_back = _heal(run, reduced, before, state.base.tau, step)
-    layers = healed.config.num_hidden_layers
-    record = StepRecord(
+    return healed, _step_record(run, state, scores, chosen, before, measured, losses, rolled_back)
+
+
+def _step_record(run: _Run, state: RunState, scores: ScoreReport, chosen: list[int], before: Evaluation,
+                 measured: Evaluation, losses: list, rolled_back: bool) -> StepRecord:
+    """The StepRecord of removing `chosen` (current indices), measured `before` and after (`measured`) a heal."""
+    step = len(state.history) + 1
+    layers = state.layers - len(chosen)
+    return StepRecord(
         step=step, folder=f"step-{step:02d}", removed=chosen,
         removed_original=[scores.layers[i].original_layer for i in chosen], layers=layers,
         tau_before_heal=before.tau, tau=measured.tau, retention=measured.tau / state.base.tau,
         heal_rolled_back=rolled_back, predicted_speedup=measured.predicted_speedup(state.timing.pass_times(layers)),
         heal_loss=[h["loss"] for h in losses], scores=list(scores.layers),
     )
-    return healed, record
+
+
+def _needs_heal(run: _Run, tau: float, base_tau: float) -> bool:
+    """A drafter at `tau` has lost at least HealConfig.min_drop of the unpruned `base_tau` and the run heals."""
+    config = run.config.heal
+    if not (run.campaign.heal_examples and config.steps > 0):
+        return False
+    return config.min_drop == 0 or (base_tau > 0 and 1 - tau / base_tau >= config.min_drop)
 
 
 def _heal(run: _Run, reduced, before: Evaluation, base_tau: float, step: int):
     """LoRA-heal `reduced` (measured as `before`) when it has lost at least `HealConfig.min_drop` of the
-    unpruned drafter's calibration tau `base_tau`, keeping the heal only if it does not lower tau; returns
-    (drafter, its Evaluation, heal loss history, whether the heal was rolled back)."""
+    unpruned drafter's tau `base_tau` (both on the prompts that judge steps), keeping the heal only if it does
+    not lower tau there; returns (drafter, its Evaluation, heal loss history, whether the heal was rolled
+    back)."""
     examples, config = run.campaign.heal_examples, run.config.heal
     if not (examples and config.steps > 0):
         return reduced, before, [], False
     lost = 1 - before.tau / base_tau if base_tau > 0 else 0.0
-    standing = f"step {step}: the drafter keeps {1 - lost:.2%} of the unpruned calibration tau"
-    if config.min_drop > 0 and lost < config.min_drop:
+    standing = f"step {step}: the drafter keeps {1 - lost:.2%} of the unpruned {run.judged_on} tau"
+    if not _needs_heal(run, before.tau, base_tau):
         run.log(f"{standing} (heals below {1 - config.min_drop:.2%}, --heal-min-drop): not healed")
         return reduced, before, [], False
     run.log(f"{standing}: healing ({config.steps} LoRA updates, --heal-distill {config.distill_weight:g})")
@@ -261,7 +335,7 @@ def _heal(run: _Run, reduced, before: Evaluation, base_tau: float, step: int):
     candidate, losses = heal(reduced, examples, config, teacher=run.campaign.drafter,
                              progress=run.hooks.heal_progress, label=f"step {step}: heal")
     candidate = round_to_dtype(candidate, run.dtype)  # judge the heal by the weights that are exported
-    after = run.evaluate(candidate)
+    after = run.judge(candidate)
     run.log(f"step {step}: healed in {clock(time.monotonic() - started)}: tau {before.tau:.3f} -> {after.tau:.3f}")
     if after.tau >= before.tau:
         return candidate, after, losses, False
@@ -295,7 +369,7 @@ def _commit_step(run: _Run, state: RunState, healed, record: StepRecord) -> None
                  "timing": state.timing.to_dict()},
                 [h.to_dict(scores=False) for h in history], dtype=run.dtype, overwrite=True)
     state.history = history
-    run.log(f"step {record.step}: removed original layers {record.removed_original}, tau "
+    run.log(f"step {record.step}: removed original layers {record.removed_original}, {run.judged_on} tau "
             f"{record.tau:.3f} (retention {record.retention:.4f})")
     save_state(run.out, state)
     remove_journals(run.out)
@@ -306,13 +380,19 @@ def config_record(config: RunConfig) -> dict:
     return json.loads(json.dumps(asdict(config), default=str))
 
 
+# Settings added since a run could be saved without them, at the value that reproduces what runs did before:
+# such a run resumes only with these values (e.g. `--check-prompts 0`), as it was judged then.
+SETTINGS_BEFORE_THEY_EXISTED = {"check_prompts": 0, "check_candidates": 1}
+
+
 def with_defaults(stored: dict, defaults: dict) -> dict:
     """`stored` settings (a config_record of an older version) with the settings added since at their
-    defaults, which reproduce what that version did: a run it saved resumes under the same flags."""
+    defaults (or, for those in SETTINGS_BEFORE_THEY_EXISTED, at the value that reproduces what that version
+    did): a run it saved resumes under the same flags."""
     merged = dict(stored)
     for key, value in defaults.items():
         if key not in merged:
-            merged[key] = value
+            merged[key] = SETTINGS_BEFORE_THEY_EXISTED.get(key, value)
         elif isinstance(value, dict) and isinstance(merged[key], dict):
             merged[key] = with_defaults(merged[key], value)
     return merged

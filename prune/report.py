@@ -27,11 +27,13 @@ def _markdown(state: RunState, plots: list[Path]) -> str:
     lines = [
         "# Pruning report",
         "",
-        f"Source drafter: `{state.source}`. Unpruned calibration tau {base.tau:.3f}"
+        f"Source drafter: `{state.source}`. Unpruned {state.judged_on} tau {base.tau:.3f}"
         + (f", predicted speedup {base.predicted_speedup:.2f}x." if base.predicted_speedup else "."),
         f"Stopped by: {state.stopped_by}.",
         "",
-        "Layer indices are 0-based indices in the unpruned drafter.",
+        "Layer indices are 0-based indices in the unpruned drafter. Steps are judged (tau, retention, heals, stop "
+        f"rules) on the {state.judged_on} prompts"
+        + (", disjoint from the calibration prompts that chose the layers." if state.judged_on == "check" else "."),
         "",
         "| step | removed | layers | tau before heal | tau | retention | heal | predicted speedup |",
         "|---|---|---|---|---|---|---|---|",
@@ -101,7 +103,7 @@ def _curve(out: Path, state: RunState) -> Path:
     removed = [0] + [state.timing.layers - h.layers for h in state.history]
     taus = [state.base.tau] + [h.tau for h in state.history]
     fig, ax = plt.subplots(figsize=(6, 4))
-    lines = ax.plot(removed, taus, "o-", label="tau (calibration)")
+    lines = ax.plot(removed, taus, "o-", label=f"tau ({state.judged_on} prompts)")
     ax.set_xlabel("layers removed")
     ax.set_ylabel("tau")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers come whole

@@ -7,7 +7,7 @@ step, in this form (times in ms, tau in committed tokens per target pass, layer 
     {"config":  RunConfig as JSON (prune.config; what a --resume must match),
      "source":  the unpruned drafter's folder,
      "timing":  Timing: the pass times every predicted speedup of the run uses,
-     "base":    BaseRecord: the unpruned drafter on the calibration prompts,
+     "base":    BaseRecord: the unpruned drafter on the prompts that judge steps,
      "history": [StepRecord, ...]: the steps taken, in order,
      "stopped_by": the rule that ended the run (None while it runs),
      "speed":   SpeedCheck: the measured check at the end (absent until it ran)}
@@ -116,10 +116,11 @@ def campaign_timing(drafter, score: ScoreConfig, target=None, times: PassTimes |
 
 @dataclass
 class BaseRecord:
-    """The unpruned drafter on the calibration prompts.
+    """The unpruned drafter on the prompts that judge steps: the check prompts (RunConfig.check_prompts), or the
+    calibration prompts in a run without them (`RunState.judged_on`).
 
     Attributes:
-        tau: calibration tau (async decoder, the macro mean over prompts).
+        tau: its tau there (async decoder, the macro mean over prompts).
         fallback_rate: share of async rounds that needed a fallback draft.
         predicted_speedup: predicted async speedup over the target alone (None without target times).
     """
@@ -138,9 +139,9 @@ class StepRecord:
         removed: the removed layers' indices in the drafter the step started from.
         removed_original: the same layers' indices in the unpruned drafter.
         layers: layers left after the step.
-        tau_before_heal: calibration tau right after the removal; tau: after the heal (or without it, when
-            the heal was rolled back or off).
-        retention: tau / the unpruned calibration tau.
+        tau_before_heal: tau right after the removal; tau: after the heal (or without it, when the heal was
+            rolled back or off); both on the prompts that judge steps (`RunState.judged_on`).
+        retention: tau / the unpruned drafter's tau there (BaseRecord.tau).
         heal_rolled_back: the heal lowered tau, so the pre-heal weights were kept.
         predicted_speedup: the step's predicted async speedup (None without target times).
         heal_loss: the drafter loss of each LoRA update of the heal ([] without healing).
@@ -221,6 +222,12 @@ class SpeedCheck:
         return cls(record["prompts"], record["source"], record["max_new_tokens"], **rows)
 
 
+def judged_on(config: dict) -> str:
+    """The prompts the steps of a run with settings `config` (RunState.config) are judged on: "check" prompts,
+    or "calibration" prompts (runs without check prompts, and those saved before they existed)."""
+    return "check" if config.get("check_prompts") else "calibration"
+
+
 @dataclass
 class RunState:
     """A pruning run (see the module docstring).
@@ -253,6 +260,11 @@ class RunState:
     def layers(self) -> int:
         """Layers of the drafter the run has reached (the unpruned count before any step)."""
         return self.history[-1].layers if self.history else self.timing.layers
+
+    @property
+    def judged_on(self) -> str:
+        """The prompts its steps were judged on (`judged_on`)."""
+        return judged_on(self.config)
 
     def removed_original(self) -> list[int]:
         """Every removed layer, by its index in the unpruned drafter, in the order removed."""

@@ -90,6 +90,7 @@ def campaign_config(values: dict, config: SweepConfig) -> tuple[RunConfig, int |
     run = RunConfig(layers_to_remove=values.get("layers_to_remove"),
                     min_retention=max(values.get("min_retention", config.retention_floor), config.retention_floor),
                     per_step=values.get("per_step", 1), stop_on_speedup=values.get("stop_on_speedup", True),
+                    check_prompts=0,  # a trial is judged on the sweep's evaluation prompts (measure)
                     score=score, heal=heal)
     return run, values.get("calibration_prompts")
 

@@ -368,14 +368,27 @@ def test_run_resume_and_bad_inputs(pair_dirs, capsys, tmp_path):
 
 
 def test_bench_on_an_exported_step_reproduces_its_tau(pair_dirs, capsys, tmp_path):
-    common = ["--target", str(pair_dirs / "target"), "--prompts", str(pair_dirs / "prompts.jsonl"),
-              "--max-new-tokens", "12"]
-    assert main(["run", "--drafter", str(pair_dirs / "drafter"), *common, "--out", str(tmp_path / "out"),
-                 "--layers-to-remove", "1", "--min-retention", "0.01", "--no-speedup-stop", "--json", "-"]) == 0
-    reported = json.loads(capsys.readouterr().out)["history"][0]["tau"]
-    assert main(["bench", "--drafter", str(tmp_path / "out" / "step-01"), *common, "--decoder", "async",
-                 "--verify", "replay", "--json", "-"]) == 0
-    assert json.loads(capsys.readouterr().out)["decoders"]["async"]["tau_macro"] == pytest.approx(reported)
+    # --limit 1: the first prompt calibrates, the other two are the check prompts that judge the step.
+    common = ["--target", str(pair_dirs / "target"), "--max-new-tokens", "12"]
+    run = ["run", "--drafter", str(pair_dirs / "drafter"), *common, "--prompts", str(pair_dirs / "prompts.jsonl"),
+           "--layers-to-remove", "1", "--min-retention", "0.01", "--no-speedup-stop", "--json", "-",
+           "--speed-prompts", "0"]
+    assert main(run + ["--out", str(tmp_path / "out"), "--limit", "1"]) == 0
+    captured = capsys.readouterr()
+    state = json.loads(captured.out)
+    assert state["config"]["check_prompts"] == 2 and "fewer than --check-prompts 16" in captured.err
+    checks = tmp_path / "checks.jsonl"
+    checks.write_text("".join((pair_dirs / "prompts.jsonl").read_text().splitlines(keepends=True)[1:]))
+    for folder, tau in (("step-01", state["history"][0]["tau"]), (None, state["base"]["tau"])):
+        drafter = str(tmp_path / "out" / folder) if folder else str(pair_dirs / "drafter")
+        assert main(["bench", "--drafter", drafter, *common, "--prompts", str(checks), "--decoder", "async",
+                     "--verify", "replay", "--json", "-"]) == 0
+        assert json.loads(capsys.readouterr().out)["decoders"]["async"]["tau_macro"] == pytest.approx(tau)
+    # With no prompt beyond the calibration prompts the steps are judged on those, and the run says so.
+    assert main(run + ["--out", str(tmp_path / "all")]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["config"]["check_prompts"] == 0
+    assert "holds no prompt beyond the 3 calibration prompts" in captured.err
 
 
 def test_disk_error_during_export_fails_cleanly_and_resumes(pair_dirs, capsys, tmp_path, monkeypatch):
@@ -579,3 +592,11 @@ def test_pass_times_measured_on_a_busy_machine_come_with_a_warning(monkeypatch):
     assert lines == ["warning: the machine is busy (load average 4.2 on 2 cores): these pass times will be slow and "
                      "uneven, and they are kept in /c/pass-times; measure on a quiet machine, or delete that folder "
                      "afterwards"]
+
+
+def test_the_bench_table_counts_the_prompts_whose_output_equals_ar():
+    from prune.commands.bench import _exactness
+
+    assert _exactness({"exact_match_vs_ar": False, "exact_match_prompts": 3}, 4) == "NO (3/4)"
+    assert _exactness({"exact_match_vs_ar": True, "exact_match_prompts": 4}, 4) == "yes"
+    assert _exactness({"exact_match_vs_ar": None}, 4) == "-"

@@ -99,7 +99,7 @@ def test_a_run_exporting_bf16_resumes_exactly_and_records_the_tau_of_its_files(t
     score = ScoreConfig(decode=DecodeConfig(max_new_tokens=16, packed_budget=27), timing_repeats=1, bootstrap=20)
     trajectories = record_trajectories(target, prompts, score.decode)
     examples = [Example.from_prompt_response(t[: len(p)], t[len(p):]) for p, t in zip(prompts, trajectories)]
-    config = RunConfig(layers_to_remove=2, min_retention=0.01, stop_on_speedup=False, score=score,
+    config = RunConfig(layers_to_remove=2, min_retention=0.01, stop_on_speedup=False, check_prompts=0, score=score,
                        heal=HealConfig(steps=3, rank=2, alpha=4, batch_size=2, lr=1e-2))
 
     def run(out, **kwargs):

@@ -21,7 +21,7 @@ def campaign(tmp_path_factory):
 
 
 def config_of(decode, **overrides) -> RunConfig:
-    settings = dict(layers_to_remove=2, min_retention=0.05, stop_on_speedup=False,
+    settings = dict(layers_to_remove=2, min_retention=0.05, stop_on_speedup=False, check_prompts=0,
                     score=ScoreConfig(decode=decode, timing_repeats=1, bootstrap=20),
                     heal=HealConfig(steps=3, rank=2, alpha=4, batch_size=2, lr=1e-3, min_drop=0.0))
     settings.update(overrides)
@@ -123,6 +123,64 @@ def test_a_step_is_healed_only_when_its_drafter_lost_enough_of_the_unpruned_tau(
         assert len(said) == 1 and ("healing (3 LoRA updates" in said[0]) == healed != ("not healed" in said[0])
         if not healed:
             assert "| not needed |" in (out / "report.md").read_text()
+
+
+def test_steps_are_judged_on_the_check_prompts(campaign, tmp_path):
+    from _pairs import prompt_ids
+    from models.drafter import load_drafter
+    from models.surgery import remove_layers
+    from prune.scoring import evaluate, rank_key, record_trajectories
+
+    target, drafter, root, prompts, decode, trajectories, examples = campaign
+    checks = [prompt_ids(n, seed=100 + n) for n in (4, 9)]
+    check_trajectories = record_trajectories(target, checks, decode)
+    config = config_of(decode, layers_to_remove=1, check_prompts=2)
+    logged = []
+    state = run_pruning(Campaign(drafter, root / "source", prompts, target, trajectories, examples,
+                                 check_prompts=checks, check_trajectories=check_trajectories),
+                        tmp_path / "out", config, hooks=RunHooks(log=logged.append))
+    # The unpruned and the step's tau (before and after its heal) are those of the check prompts, not of the
+    # calibration prompts that scored the layers; the report and the log say so.
+    step = state.history[0]
+    assert state.base.tau == evaluate(drafter, checks, config.score, check_trajectories).tau
+    assert state.base.tau != evaluate(drafter, prompts, config.score, trajectories).tau
+    assert step.tau == evaluate(load_drafter(tmp_path / "out" / "step-01"), checks, config.score,
+                                check_trajectories).tau
+    assert step.tau_before_heal == evaluate(remove_layers(drafter, step.removed), checks, config.score,
+                                            check_trajectories).tau
+    assert state.judged_on == "check" and "judged (tau, retention, heals, stop rules) on the check prompts" in \
+        (tmp_path / "out" / "report.md").read_text()
+    assert any(line.startswith("step 1: the drafter keeps") and "of the unpruned check tau" in line
+               for line in logged)
+    # A campaign whose check prompts are not the settings' count, or lack trajectories to replay, is refused.
+    for wrong, trajectories_of_checks in ((checks[:1], check_trajectories[:1]), (checks, None)):
+        with pytest.raises(ConfigError, match="check"):
+            run_pruning(Campaign(drafter, root / "source", prompts, target, trajectories, examples,
+                                 check_prompts=wrong, check_trajectories=trajectories_of_checks),
+                        tmp_path / "refused", config)
+    assert not (tmp_path / "refused").exists()
+
+    # The lowest-scoring layer loses more of the check tau than the floor allows and the next one does not: with
+    # one candidate the run stops there, with three the step removes the next one, unhealed.
+    def judged_run(out, candidates):
+        config = config_of(decode, layers_to_remove=1, check_prompts=2, check_candidates=candidates,
+                           min_retention=0.9, heal=HealConfig(steps=0))
+        return run_pruning(Campaign(drafter, root / "source", prompts, target, trajectories, examples,
+                                    check_prompts=checks, check_trajectories=check_trajectories),
+                           tmp_path / out, config, hooks=RunHooks(log=logged.append))
+
+    logged.clear()
+    taken, only = judged_run("three", 3), judged_run("one", 1)
+    scores = taken.history[0].scores
+    ranking = [s.layer for s in sorted(scores, key=rank_key(scores))]
+
+    def kept(layer):
+        return evaluate(remove_layers(drafter, [layer]), checks, config.score, check_trajectories).tau / state.base.tau
+
+    assert kept(ranking[0]) < 0.9 <= kept(ranking[1])
+    assert taken.history[0].removed == [ranking[1]] and taken.history[0].retention == kept(ranking[1])
+    assert any("trying original layers" in line for line in logged)
+    assert only.history == [] and only.stopped_by.startswith("retention floor")
 
 
 def test_retention_floor_stops_before_the_step(campaign, tmp_path):

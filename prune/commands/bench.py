@@ -3,6 +3,7 @@ greedy baselines) on a prompt set, for one drafter or several side by side."""
 
 import argparse
 import json
+import sys
 
 from decode.config import VERIFY_MODES, BaselineConfig, BenchConfig
 from decode.registry import BASELINE, SPECULATIVE, TARGET, check_decoder_names, describe
@@ -241,9 +242,23 @@ def print_table(report: dict) -> None:
             names.get(drafter, "-"), name,
             number(d.get("tau_macro")), number(d.get("tau_micro")), number(d.get("verify_width_mean"), 1),
             number(d.get("time_per_token_ms")), number(d.get("speedup_vs_ar")), number(d.get("predicted_speedup")),
-            number(d.get("speedup_limit")), number(d.get("exact_match_vs_ar")), number(d.get("hit_rate")),
+            number(d.get("speedup_limit")), _exactness(d, report["prompts"]), number(d.get("hit_rate")),
         )
     stdout_console().print(table)
+    dtype = report["settings"].get("dtype")
+    if dtype not in (None, "float32") and any(d.get("exact_match_vs_ar") is False for _, _, d in rows):
+        print(f"note: in {dtype} a wider pass can round a near-tie between two tokens differently from ar's "
+              "one-token steps, so outputs may part; float32 (--dtype float32) is exact", file=sys.stderr)
+
+
+def _exactness(row: dict, prompts: int) -> str:
+    """A row's exactness against ar: yes, or NO with the prompts whose output equals ar's."""
+    from prune.text import number
+
+    same = row.get("exact_match_prompts")
+    if row.get("exact_match_vs_ar") is False and same is not None:
+        return f"NO ({same}/{prompts})"
+    return number(row.get("exact_match_vs_ar"))
 
 
 def _short_names(drafters: list[str]) -> tuple[str | None, dict[str, str]]:

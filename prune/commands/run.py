@@ -44,12 +44,13 @@ def add_parser(subparsers) -> None:
         subparsers,
         "run",
         help="prune layers progressively: score, remove, heal with LoRA, export each step",
-        description="Progressive pruning: score the remaining layers (async decoder, replayed target "
-        "trajectories), remove the least harmful (--per-step at a time), heal with a short LoRA fine-tune on "
-        "distillation data when the drafter has lost --heal-min-drop of the unpruned tau (kept only if it does "
-        "not lower tau), export the step to OUT/step-XX, repeat. Stops at --layers-to-remove, at --min-retention "
-        "of the unpruned calibration tau, or when predicted speedup falls --speedup-tolerance below the best so "
-        "far. OUT/final points at the last step taken." + EXAMPLES,
+        description="Progressive pruning: score the remaining layers on the calibration prompts (async decoder, "
+        "replayed target trajectories), remove the least harmful (--per-step at a time), heal with a short LoRA "
+        "fine-tune on distillation data when the drafter has lost --heal-min-drop of the unpruned tau (kept only "
+        "if it does not lower tau), export the step to OUT/step-XX, repeat. Stops at --layers-to-remove, at "
+        "--min-retention of the unpruned tau, or when predicted speedup falls --speedup-tolerance below the best so "
+        "far. Every tau that judges a step is measured on --check-prompts other prompts of the same source. "
+        "OUT/final points at the last step taken." + EXAMPLES,
     )
     add_model_args(parser)
     add_prompt_args(parser, default_suite="humaneval:calib", max_new_tokens=64, limit=16)
@@ -61,8 +62,17 @@ def add_parser(subparsers) -> None:
                         help="stop after removing this many layers (default: no budget; the other stop "
                         "rules end the run)")
     parser.add_argument("--min-retention", type=_types.positive_fraction, default=RUN["min_retention"],
-                        help="never take a step below this fraction of the unpruned calibration tau")
+                        help="never take a step below this fraction of the unpruned tau (on the check prompts)")
     parser.add_argument("--per-step", type=_types.positive_int, default=RUN["per_step"], help="layers removed per step")
+    parser.add_argument("--check-prompts", type=_types.non_negative_int, default=RUN["check_prompts"], metavar="N",
+                        help="prompts after the first --limit of the same suite part or file on which every step is "
+                        "judged (tau, retention, heals, stop rules): the calibration prompts chose the removed layers "
+                        "for measuring well there, so a step reads better on them than it is. Fewer when the source "
+                        "runs out; 0: judge on the calibration prompts")
+    parser.add_argument("--check-candidates", type=_types.positive_int, default=RUN["check_candidates"], metavar="N",
+                        help="with check prompts and --per-step 1: layers a step may try, lowest score first; it "
+                        "takes the first that the stop rules accept without a heal, else heals the lowest "
+                        "(1: the lowest only)")
     parser.add_argument("--no-speedup-stop", action="store_true",
                         help="do not stop when predicted speedup falls below the best so far")
     parser.add_argument("--speedup-tolerance", type=_types.fraction, default=RUN["speedup_tolerance"], metavar="F",
@@ -89,7 +99,7 @@ def add_parser(subparsers) -> None:
                         "the target's tokens (1: KL only; 0: cross entropy on the target's tokens only)")
     parser.add_argument("--heal-min-drop", type=_types.fraction, default=HEAL["min_drop"], metavar="F",
                         help="heal a step only when its drafter has lost at least this fraction of the unpruned "
-                        "calibration tau (0: heal every step)")
+                        "tau (on the check prompts; 0: heal every step)")
     parser.add_argument("--seed", type=_types.non_negative_int, default=SCORE["seed"],
                         help="seeds healing and the bootstrap")
     add_export_dtype_arg(parser)
@@ -123,20 +133,31 @@ def _run(args) -> int:
     from prune.state import campaign_timing, has_run
 
     check_layer_budget(args)
-    pair, tokenized, drafter_dir, target_path, source = load_pair_and_prompts(args)
-    prompts = [p.input_ids for p in tokenized]
+    # One read of the source: the first --limit prompts calibrate, the next --check-prompts judge the steps.
+    with_checks = argparse.Namespace(**{**vars(args), "limit": args.limit + args.check_prompts})
+    pair, tokenized, drafter_dir, target_path, source = load_pair_and_prompts(with_checks)
+    args.dtype = with_checks.dtype
+    prompts = [p.input_ids for p in tokenized[:args.limit]]
+    checks = [p.input_ids for p in tokenized[args.limit:]]
+    if len(checks) < args.check_prompts:
+        print(check_prompts_note(source, len(prompts), len(checks), args.check_prompts), file=sys.stderr)
+        args.check_prompts = len(checks)
     decode, times = decode_config(args, pair, max_new_tokens=args.max_new_tokens)
     examples, heal_data = heal_examples(args)
     config = run_config(args, decode, healing=bool(examples))
     config.validate(pair.drafter.config.num_hidden_layers)
     cache = cache_dir(args)
-    trajectories = cached_trajectories(cache, pair.target, prompts, decode) if args.verify == "replay" else None
+    replay = args.verify == "replay"
+    trajectories = cached_trajectories(cache, pair.target, prompts, decode) if replay else None
+    check_trajectories = cached_trajectories(cache, pair.target, checks, decode) if replay and checks else None
     drafter_hash = fingerprint(pair.drafter)
     tracker = make_tracker(args, "run", {
         "settings": config_record(config), "drafter": drafter_dir, "drafter_hash": drafter_hash,
-        "target": target_path, "prompts": source, "prompt_count": len(prompts), "heal_data": heal_data,
+        "target": target_path, "prompts": source, "prompt_count": len(prompts), "check_prompt_count": len(checks),
+        "heal_data": heal_data,
         "out": args.out, "resume": args.resume}, drafter_hash, out=args.out)
-    campaign = Campaign(pair.drafter, drafter_dir, prompts, pair.target, trajectories, examples, cache)
+    campaign = Campaign(pair.drafter, drafter_dir, prompts, pair.target, trajectories, examples, cache, checks,
+                        check_trajectories)
     shown = show_progress(args.json)
     hooks = RunHooks(log=lambda message: print(message, file=sys.stderr), on_step=tracker.on_step,
                      progress=functools.partial(progress_bar, enabled=shown), heal_progress=shown)
@@ -161,6 +182,7 @@ def run_config(args, decode, healing: bool) -> RunConfig:
     return RunConfig(
         layers_to_remove=args.layers_to_remove, min_retention=args.min_retention, per_step=args.per_step,
         stop_on_speedup=not args.no_speedup_stop, speedup_tolerance=args.speedup_tolerance,
+        check_prompts=args.check_prompts, check_candidates=args.check_candidates,
         carry_screen=not args.no_carry_screen,
         score=ScoreConfig(criterion=args.criterion, verify=args.verify, decode=decode, seed=args.seed,
                           screen_prompts=args.screen_prompts, screen_keep=args.screen_keep),
@@ -168,6 +190,15 @@ def run_config(args, decode, healing: bool) -> RunConfig:
                         lr=args.heal_lr, distill_weight=args.heal_distill, min_drop=args.heal_min_drop,
                         seed=args.seed),
     )
+
+
+def check_prompts_note(source: str, calibration: int, found: int, asked: int) -> str:
+    """The note of a prompt source that holds fewer check prompts than --check-prompts asks for."""
+    if found:
+        return (f"note: {source} holds {calibration + found} prompts: the first {calibration} calibrate and the other "
+                f"{found} judge the steps (fewer than --check-prompts {asked})")
+    return (f"note: {source} holds no prompt beyond the {calibration} calibration prompts, so the steps are judged on "
+            "them, and a step reads better there than it is; give more prompts, or lower --limit")
 
 
 def check_layer_budget(args) -> None:
@@ -211,7 +242,8 @@ def summary_lines(state: dict, out: str) -> list[str]:
     """The end-of-run summary a person reads (stderr): what was removed, before -> after, where things are.
 
     `state`: the run's state as the JSON document `--json` writes (prune.state.RunState.to_dict()), whose
-    parts it reads as far as they are there. Calibration tau and predicted speedup come from it. Held-out
+    parts it reads as far as they are there. The tau steps were judged on (check or calibration prompts,
+    prune.state.judged_on) and predicted speedup come from it. Held-out
     tau and measured speedup are printed when the state holds them: `state["speed"]` = {"base": {...}, "final": {...}}, each with any of
     "tau", "predicted_speedup", "measured_speedup" (its predicted speedup, when given, replaces the
     calibration one). Layer indices are 0-based, in the unpruned drafter.
@@ -219,6 +251,7 @@ def summary_lines(state: dict, out: str) -> list[str]:
     from pathlib import Path
 
     from models.checkpoint import stored_dtype
+    from prune.state import judged_on
     from prune.text import number
 
     history, base = state["history"], state["base"]
@@ -242,7 +275,7 @@ def summary_lines(state: dict, out: str) -> list[str]:
             text += f" (retention {after / before:.4f})"
         lines.append(f"{label}: {text}")
 
-    before_after("calibration tau", base["tau"], final.get("tau"), 3, retention=True)
+    before_after(f"{judged_on(state.get('config', {}))} tau", base["tau"], final.get("tau"), 3, retention=True)
     before_after("held-out tau", speed_base.get("tau"), speed_final.get("tau"), 3, retention=True)
     predicted = (speed_base, speed_final) if "predicted_speedup" in speed_base | speed_final else (base, final)
     before_after("predicted speedup", *(p.get("predicted_speedup") for p in predicted), 2, "x")
