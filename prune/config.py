@@ -89,9 +89,9 @@ class HealConfig:
             to the teacher only; cross entropy on the target's tokens left held-out tau flat on the demo pair,
             KL raised it (docs/design.md, Progressive pruning).
         min_drop: a campaign heals a step only when its drafter has lost at least this fraction of the
-            unpruned drafter's tau on the prompts that judge steps (RunConfig.check_prompts; 0: every step). A drafter still at the unpruned tau has nothing
-            to recover, and 16 calibration prompts judge a heal against noise of about this size (docs/design.md,
-            Progressive pruning).
+            unpruned drafter's tau on the prompts that judge steps (RunConfig.check_prompts; 0: every step). A
+            drafter still at the unpruned tau has nothing to recover, and 16 prompts judge a heal against noise
+            of about this size (docs/design.md, Progressive pruning).
         seed: seeds adapter initialisation, batch order and anchors.
     """
 

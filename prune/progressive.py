@@ -37,7 +37,8 @@ from .journal import ScoringJournal, remove_journals
 from .progress import clock, progress_bar
 from .report import write_report
 from .scoring import Evaluation, ScoreReport, cached_scores, carried_scores, evaluate, round_evaluations
-from .state import BaseRecord, RunState, StepRecord, Timing, campaign_timing, has_run, load_state, save_state
+from .state import (BaseRecord, RunState, StepRecord, Timing, campaign_timing, has_run, judged_on, load_state,
+                    save_state)
 
 _silent = functools.partial(progress_bar, enabled=False)
 
@@ -112,8 +113,8 @@ class _Run:
 
     @property
     def judged_on(self) -> str:
-        """The prompts steps are judged on, in words."""
-        return "check" if self.campaign.check_prompts else "calibration"
+        """The prompts steps are judged on, in words (prune.state.judged_on)."""
+        return judged_on(self.config.check_prompts)
 
     def log(self, message: str) -> None:
         self.hooks.log(message)

@@ -222,10 +222,10 @@ class SpeedCheck:
         return cls(record["prompts"], record["source"], record["max_new_tokens"], **rows)
 
 
-def judged_on(config: dict) -> str:
-    """The prompts the steps of a run with settings `config` (RunState.config) are judged on: "check" prompts,
-    or "calibration" prompts (runs without check prompts, and those saved before they existed)."""
-    return "check" if config.get("check_prompts") else "calibration"
+def judged_on(check_prompts: int | None) -> str:
+    """The prompts the steps of a run with `check_prompts` (RunConfig.check_prompts; None in runs saved before
+    they existed) are judged on: "check" prompts, or "calibration" prompts."""
+    return "check" if check_prompts else "calibration"
 
 
 @dataclass
@@ -264,7 +264,7 @@ class RunState:
     @property
     def judged_on(self) -> str:
         """The prompts its steps were judged on (`judged_on`)."""
-        return judged_on(self.config)
+        return judged_on(self.config.get("check_prompts"))
 
     def removed_original(self) -> list[int]:
         """Every removed layer, by its index in the unpruned drafter, in the order removed."""

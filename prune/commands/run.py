@@ -243,8 +243,7 @@ def summary_lines(state: dict, out: str) -> list[str]:
 
     `state`: the run's state as the JSON document `--json` writes (prune.state.RunState.to_dict()), whose
     parts it reads as far as they are there. The tau steps were judged on (check or calibration prompts,
-    prune.state.judged_on) and predicted speedup come from it. Held-out
-    tau and measured speedup are printed when the state holds them: `state["speed"]` = {"base": {...}, "final": {...}}, each with any of
+    prune.state.judged_on) and predicted speedup come from it. Held-out tau and measured speedup are printed when the state holds them: `state["speed"]` = {"base": {...}, "final": {...}}, each with any of
     "tau", "predicted_speedup", "measured_speedup" (its predicted speedup, when given, replaces the
     calibration one). Layer indices are 0-based, in the unpruned drafter.
     """
@@ -275,7 +274,8 @@ def summary_lines(state: dict, out: str) -> list[str]:
             text += f" (retention {after / before:.4f})"
         lines.append(f"{label}: {text}")
 
-    before_after(f"{judged_on(state.get('config', {}))} tau", base["tau"], final.get("tau"), 3, retention=True)
+    judged = judged_on(state.get("config", {}).get("check_prompts"))
+    before_after(f"{judged} tau", base["tau"], final.get("tau"), 3, retention=True)
     before_after("held-out tau", speed_base.get("tau"), speed_final.get("tau"), 3, retention=True)
     predicted = (speed_base, speed_final) if "predicted_speedup" in speed_base | speed_final else (base, final)
     before_after("predicted speedup", *(p.get("predicted_speedup") for p in predicted), 2, "x")
