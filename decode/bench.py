@@ -29,6 +29,10 @@ drafter's rows under its own entry, every `exact_match_vs_ar` and `speedup_vs_ar
      "baselines": {"ar": {...}, "pld": {...}, "generate": {...}},
      "prompts": N, "settings": {...}}
 
+and every drafter after the first carries "against_first": {decoder: {...}} (`against`): its speed and tau
+as ratios to the first drafter's, measured in the same run - the answer to "is the pruned drafter faster
+than its source, and at what tau".
+
 `report_rows` reads either layout back as (drafter, decoder, summary) rows.
 """
 
@@ -270,8 +274,30 @@ def _report(summaries: dict, drafters: list, prompts: int, config: BenchConfig, 
         }
         for name, drafter in drafters
     ]
+    for entry in entries[1:]:
+        entry["against_first"] = {decoder: against(row, entries[0]["decoders"].get(decoder, {}))
+                                  for decoder, row in entry["decoders"].items()}
     baselines = {decoder: s for (owner, decoder), s in summaries.items() if owner is None}
     return {"drafters": entries, "baselines": baselines, "prompts": prompts, "settings": settings}
+
+
+def against(row: dict, first: dict) -> dict:
+    """One drafter's row against the first drafter's row of the same decoder, both from one run:
+
+        speedup_ratio      its speedup over ar / the first's (> 1: faster per generated token)
+        tau_ratio          its tau (macro) / the first's
+        equal_tau_speedup  the first's round time / its own: what its passes alone buy, at equal tau
+
+    Time per token is about round time / tau (micro) (a last round cut short by the token budget commits
+    fewer), so speedup_ratio is about equal_tau_speedup x the tau (micro) ratio. A ratio without both numbers
+    (an untimed replay row) is None."""
+
+    def ratio(numerator, denominator):
+        return numerator / denominator if numerator is not None and denominator else None
+
+    return {"speedup_ratio": ratio(row.get("speedup_vs_ar"), first.get("speedup_vs_ar")),
+            "tau_ratio": ratio(row.get("tau_macro"), first.get("tau_macro")),
+            "equal_tau_speedup": ratio(first.get("round_ms"), row.get("round_ms"))}
 
 
 def report_rows(report: dict) -> list[tuple[str | None, str, dict]]:

@@ -155,6 +155,16 @@ def predicted_speedup(decoder: str, times: PassTimes, tau: float, width: float, 
     return times.ar_ms / time_per_token_ms(decoder, times, tau, width, fallback_rate, concurrent, **shape)
 
 
+def equal_tau_speedup(decoder: str, before: PassTimes, after: PassTimes, width: float, fallback_rate: float = 0.0,
+                      concurrent: bool = True, **shape) -> float:
+    """round_ms with pass times `before` / with `after`, at the same round shape: how much faster per token a
+    drafter with `after`'s passes runs than one with `before`'s at the same tau (tau divides both alike). What a
+    cheaper (pruned) drafter buys before any tau it loses, so the most that pruning can buy; the prediction
+    of a pruned drafter is this times what its tau keeps."""
+    return (round_ms(decoder, before, width, fallback_rate, concurrent, **shape)
+            / round_ms(decoder, after, width, fallback_rate, concurrent, **shape))
+
+
 def speedup_limit(times: PassTimes, tau: float, width: float) -> float:
     """tau x T_ar / T_verify(width): the speedup of a drafter that costs nothing and always hits."""
     return tau * times.ar_ms / times.verify_ms(width)

@@ -206,9 +206,23 @@ def _open_state(run: _Run, resume: bool, timing: Timing | None) -> tuple[RunStat
     if timing is None:
         timing = campaign_timing(drafter, config.score, run.campaign.target, cache=run.campaign.cache)
     state = RunState(config_record(config), str(run.campaign.source_dir), timing,
-                     BaseRecord(base.tau, base.fallback_rate, base.predicted_speedup(timing.pass_times(layers))))
+                     BaseRecord(base.tau, base.fallback_rate, base.predicted_speedup(timing.pass_times(layers)),
+                                base.width, base.packed_share, base.packed_tokens))
     save_state(out, state)
+    _log_ceiling(run, state)
     return state, drafter
+
+
+def _log_ceiling(run: _Run, state: RunState) -> None:
+    """Say what the run can buy at most: the predicted speedup of the layers it may remove at equal tau."""
+    removable = run.config.layers_to_remove or run.config.per_step
+    gain = state.equal_tau_speedup(state.layers - removable)
+    if gain is None:
+        return
+    draft = state.timing.draft
+    run.log(f"on this machine {removable} layer{'s' * (removable != 1)} fewer make the drafter at most {gain:.3f}x "
+            f"faster at equal tau (predicted: a draft pass of {draft.fixed_ms:.1f} ms + {draft.per_layer_ms:.2f} ms "
+            f"per layer, a {state.timing.target.ar_ms:.1f} ms target step); what a step loses in tau comes off that")
 
 
 def _step_size(config: RunConfig, layers: int, removed_total: int) -> tuple[int, str | None]:

@@ -23,6 +23,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from decode import cost
 from decode.cost import LayerCost, PassTimes
 from decode.timing import drafter_layer_costs, measure_pass_times
 from models.checkpoint import atomic_write_text
@@ -123,11 +124,23 @@ class BaseRecord:
         tau: its tau there (async decoder, the macro mean over prompts).
         fallback_rate: share of async rounds that needed a fallback draft.
         predicted_speedup: predicted async speedup over the target alone (None without target times).
+        width, packed_share, packed_tokens: its async rounds' mean verify width, share of rounds with a packed
+            pass and mean query tokens of those passes (decode.cost.RoundShape; None in runs saved before they
+            were recorded).
     """
 
     tau: float
     fallback_rate: float | None
     predicted_speedup: float | None
+    width: float | None = None
+    packed_share: float | None = None
+    packed_tokens: float | None = None
+
+    def to_dict(self) -> dict:
+        """Its JSON; the round-shape fields only where recorded, so a state saved before them writes back
+        unchanged."""
+        shape = ("width", "packed_share", "packed_tokens")
+        return {k: v for k, v in asdict(self).items() if k not in shape or v is not None}
 
 
 @dataclass
@@ -266,13 +279,25 @@ class RunState:
         """The prompts its steps were judged on (`judged_on`)."""
         return judged_on(self.config.get("check_prompts"))
 
+    def equal_tau_speedup(self, layers: int) -> float | None:
+        """Predicted: how much faster per token a `layers`-layer drafter of this campaign runs than the unpruned
+        one at the unpruned drafter's tau and round shape (decode.cost.equal_tau_speedup): what removing layers
+        buys on this machine before any tau it costs. None without target times or a recorded verify width."""
+        base = self.base
+        if self.timing is None or base.width is None or self.timing.target is None:
+            return None
+        before, after = self.timing.pass_times(self.timing.layers), self.timing.pass_times(layers)
+        shape = {} if base.packed_share is None else {"packed_share": base.packed_share,
+                                                      "packed_tokens": base.packed_tokens}
+        return cost.equal_tau_speedup("async", before, after, base.width, base.fallback_rate or 0.0, **shape)
+
     def removed_original(self) -> list[int]:
         """Every removed layer, by its index in the unpruned drafter, in the order removed."""
         return [i for step in self.history for i in step.removed_original]
 
     def to_dict(self) -> dict:
         record = {"config": self.config, "source": self.source, "timing": self.timing.to_dict(),
-                  "base": asdict(self.base), "history": [step.to_dict() for step in self.history],
+                  "base": self.base.to_dict(), "history": [step.to_dict() for step in self.history],
                   "stopped_by": self.stopped_by}
         if self.speed is not None:
             record["speed"] = self.speed.to_dict()

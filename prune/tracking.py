@@ -308,6 +308,7 @@ def _summary(state: RunState) -> dict:
         "final/retention": last.retention if last else 1.0,
         "final/predicted_speedup": last.predicted_speedup if last else base.predicted_speedup,
         "final/layers": state.layers, "final/layers_removed": state.timing.layers - state.layers,
+        "final/equal_tau_speedup": state.equal_tau_speedup(state.layers) if last else None,
     }
     speed = state.speed
     for name, row in (("base", speed and speed.base), ("final", speed and speed.final)):

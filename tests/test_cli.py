@@ -145,6 +145,14 @@ def test_bench_several_drafters_share_one_ar_run(pair_dirs, second_drafter, caps
         assert set(entry["decoders"]) == {"sync", "async"}
         for summary in entry["decoders"].values():
             assert summary["exact_match_vs_ar"] is True and summary["speedup_vs_ar"] is not None
+    # The second drafter against the first: ratios of their rows from this one run.
+    rows = [entry["decoders"] for entry in report["drafters"]]
+    assert "against_first" not in report["drafters"][0] and set(report["drafters"][1]["against_first"]) == {"sync", "async"}
+    for name, ratios in report["drafters"][1]["against_first"].items():
+        first_row, second_row = rows[0][name], rows[1][name]
+        assert ratios == pytest.approx({"speedup_ratio": second_row["speedup_vs_ar"] / first_row["speedup_vs_ar"],
+                                        "tau_ratio": second_row["tau_macro"] / first_row["tau_macro"],
+                                        "equal_tau_speedup": first_row["round_ms"] / second_row["round_ms"]})
     lines = [json.loads(line) for line in saved.read_text().splitlines()]
     assert len(lines) == 3 * 7 and {(line["decoder"], line.get("drafter")) for line in lines} == {
         ("ar", None), ("pld", None), ("generate", None),
@@ -169,7 +177,8 @@ def test_bench_several_drafters_share_one_ar_run(pair_dirs, second_drafter, caps
     assert main(bench_args(pair_dirs, "--drafter", second_drafter, "--decoder", "ar,async", "--json",
                            str(tmp_path / "report.json"))) == 0
     table = capsys.readouterr().out
-    assert "drafter" in table and table.count("async") == 2
+    assert "drafter" in table and table.count("async") == 3  # two rows and the line against the first drafter
+    assert "drafter-b against drafter, async: " in table and "of its tau" in table
 
 
 def test_bench_baselines_and_decoder_lists(pair_dirs, second_drafter, capsys, tmp_path):

@@ -2,7 +2,8 @@
 
 import pytest
 
-from decode.cost import PassTimes, WidthPolicy, predicted_speedup, round_ms, speedup_limit, time_per_token_ms
+from decode.cost import (PassTimes, WidthPolicy, equal_tau_speedup, predicted_speedup, round_ms, speedup_limit,
+                         time_per_token_ms)
 
 
 def times(**overrides) -> PassTimes:
@@ -46,6 +47,21 @@ def test_verify_bound_then_packed_bound_round():
     # Packed-bound: the packed pass outlasts verification and sets the round; a cheaper drafter helps.
     assert round_ms("async", times(packed_ms=90.0), 5) == 90.0
     assert round_ms("async", times(packed_ms=70.0), 5) == 70.0
+
+
+def test_what_a_cheaper_drafter_buys_at_equal_tau():
+    full, pruned = times(draft_ms=20.0, packed_ms=30.0), times(draft_ms=15.0, packed_ms=22.0)
+    # Sync pays the draft in every round: (56 + 20) / (56 + 15), whatever the tau, and it is the ratio of the
+    # two drafters' predicted speedups at one tau.
+    assert equal_tau_speedup("sync", full, pruned, 5) == pytest.approx(76.0 / 71.0)
+    assert equal_tau_speedup("sync", full, pruned, 5) == pytest.approx(
+        predicted_speedup("sync", pruned, 2.7, 5) / predicted_speedup("sync", full, 2.7, 5))
+    # Async with the packed pass hidden behind verification and every draft a hit: depth buys nothing.
+    assert equal_tau_speedup("async", full, pruned, 5) == 1.0
+    # ... only the fallback drafts it still pays, or the packed pass where it bounds the round.
+    assert equal_tau_speedup("async", full, pruned, 5, fallback_rate=0.5) == pytest.approx(66.0 / 63.5)
+    assert equal_tau_speedup("async", times(packed_ms=90.0), times(packed_ms=66.0), 5) == pytest.approx(90.0 / 66.0)
+    assert equal_tau_speedup("async", full, full, 5, fallback_rate=0.3) == 1.0
 
 
 def test_speedup_and_limit():

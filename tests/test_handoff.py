@@ -19,6 +19,7 @@ from prune.commands.run import summary_lines
 from prune.heal import HealConfig
 from prune.progressive import Campaign, RunConfig, RunHooks, run_pruning
 from prune.scoring import ScoreConfig, evaluate, record_trajectories
+from prune.state import RunState
 
 
 @pytest.fixture(scope="module")
@@ -129,13 +130,18 @@ def test_a_run_ends_with_a_summary_on_stderr_and_json_stays_on_stdout(bf16_pair,
     assert captured.out == (out / "state.json").read_text()  # `--json -`: the state, nothing else
     state = json.loads(captured.out)
     removed = state["history"][0]["removed_original"][0]
-    lines = captured.err.strip().splitlines()[-5:]
+    lines = captured.err.strip().splitlines()[-6:]
     assert lines[0] == f"removed 1 of 2 layers (original indices {removed}) in 1 step; stopped by layer budget"
     assert lines[1].startswith(f"calibration tau: {state['base']['tau']:.3f} -> {state['history'][0]['tau']:.3f} "
                                "(retention ")
     assert lines[2].startswith("predicted speedup: ") and lines[2].endswith("x")
-    assert lines[3] == f"pruned drafter: {out / 'final'} -> step-01 (1 layer, bfloat16)"
-    assert lines[4] == f"report: {out / 'report.md'}"
+    # What the removed layer buys at equal tau: the unpruned drafter's round over the pruned one's, as modelled.
+    gain = RunState.from_dict(state).equal_tau_speedup(1)
+    assert gain >= 1 and lines[3] == f"fewer layers alone, at equal tau (predicted): {gain:.3f}x"
+    assert lines[4] == f"pruned drafter: {out / 'final'} -> step-01 (1 layer, bfloat16)"
+    assert lines[5] == f"report: {out / 'report.md'}"
+    assert f"would make it {gain:.3f}x faster" in (out / "report.md").read_text()
+    assert "fewer make the drafter at most" in captured.err  # announced before the first round
 
     assert main(run_args(bf16_pair, out, "--resume")) == 0  # without --json, stdout stays empty
     captured = capsys.readouterr()

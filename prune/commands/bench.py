@@ -52,7 +52,9 @@ def add_parser(subparsers) -> None:
         help="measure acceptance length and speedup of ar, sync and async decoding",
         description="Measure acceptance length (tau), time per token, speedup vs ar and exactness of the "
         "ar, sync and async decoders of one or several drafters, and of transformers' greedy generate() "
-        "with and without prompt lookup (and with an assistant model), on the same prompts, after a warm-up."
+        "with and without prompt lookup (and with an assistant model), on the same prompts, after a warm-up. "
+        "With several --drafter, every drafter after the first is also compared with the first, measured in "
+        "the same run: how much faster, at what share of its tau, and how much faster at equal tau."
         + EXAMPLES,
     )
     add_model_args(parser, several_drafters=True)
@@ -245,10 +247,32 @@ def print_table(report: dict) -> None:
             number(d.get("speedup_limit")), _exactness(d, report["prompts"]), number(d.get("hit_rate")),
         )
     stdout_console().print(table)
+    for line in against_lines(report, names):
+        print(line)
     dtype = report["settings"].get("dtype")
     if dtype not in (None, "float32") and any(d.get("exact_match_vs_ar") is False for _, _, d in rows):
         print(f"note: in {dtype} a wider pass can round a near-tie between two tokens differently from ar's "
               "one-token steps, so outputs may part; float32 (--dtype float32) is exact", file=sys.stderr)
+
+
+def against_lines(report: dict, names: dict[str, str]) -> list[str]:
+    """One line per decoder of every drafter after the first: its speed and tau as ratios to the first's,
+    measured in this run (decode.bench.against)."""
+    from prune.text import number
+
+    if "drafters" not in report:
+        return []
+    first = report["drafters"][0]["drafter"]
+    lines = []
+    for entry in report["drafters"][1:]:
+        for decoder, ratios in entry["against_first"].items():
+            if ratios["speedup_ratio"] is None and ratios["tau_ratio"] is None:
+                continue
+            tau = f"{ratios['tau_ratio']:.1%}" if ratios["tau_ratio"] is not None else "-"
+            lines.append(f"{names.get(entry['drafter'], entry['drafter'])} against {names.get(first, first)}, "
+                         f"{decoder}: {number(ratios['speedup_ratio'], 2, 'x')} as fast at {tau} of its tau "
+                         f"({number(ratios['equal_tau_speedup'], 2, 'x')} at equal tau)")
+    return lines
 
 
 def _exactness(row: dict, prompts: int) -> str:

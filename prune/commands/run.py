@@ -238,6 +238,16 @@ def _check_speed(args, state, pair, decode) -> None:
     write_report(args.out, state)
 
 
+def equal_tau_gain(state: dict) -> float | None:
+    """The final drafter's predicted speedup over the unpruned one at equal tau (prune.state.RunState
+    .equal_tau_speedup) from the JSON of a run's state; None before a step or without what it needs."""
+    from prune.state import RunState
+
+    if not state.get("history") or not state.get("timing") or state["base"].get("width") is None:
+        return None
+    return RunState.from_dict(state).equal_tau_speedup(state["history"][-1]["layers"])
+
+
 def summary_lines(state: dict, out: str) -> list[str]:
     """The end-of-run summary a person reads (stderr): what was removed, before -> after, where things are.
 
@@ -280,6 +290,9 @@ def summary_lines(state: dict, out: str) -> list[str]:
     predicted = (speed_base, speed_final) if "predicted_speedup" in speed_base | speed_final else (base, final)
     before_after("predicted speedup", *(p.get("predicted_speedup") for p in predicted), 2, "x")
     before_after("measured speedup", speed_base.get("measured_speedup"), speed_final.get("measured_speedup"), 2, "x")
+    gain = equal_tau_gain(state)
+    if gain is not None:
+        lines.append(f"fewer layers alone, at equal tau (predicted): {gain:.3f}x")
     if history:
         layers = final["layers"]
         lines.append(f"pruned drafter: {Path(out) / 'final'} -> {final['folder']} ({layers} "
