@@ -220,9 +220,10 @@ def _log_ceiling(run: _Run, state: RunState) -> None:
     if gain is None:
         return
     draft = state.timing.draft
-    run.log(f"on this machine {removable} layer{'s' * (removable != 1)} fewer make the drafter at most {gain:.3f}x "
-            f"faster at equal tau (predicted: a draft pass of {draft.fixed_ms:.1f} ms + {draft.per_layer_ms:.2f} ms "
-            f"per layer, a {state.timing.target.ar_ms:.1f} ms target step); what a step loses in tau comes off that")
+    layers = "1 layer fewer makes" if removable == 1 else f"{removable} layers fewer make"
+    run.log(f"on this machine {layers} the drafter at most {gain:.3f}x faster at equal tau (predicted: a draft "
+            f"pass of {draft.fixed_ms:.1f} ms + {draft.per_layer_ms:.2f} ms per layer, a "
+            f"{state.timing.target.ar_ms:.1f} ms target step); what a step loses in tau comes off that")
 
 
 def _step_size(config: RunConfig, layers: int, removed_total: int) -> tuple[int, str | None]:

@@ -141,7 +141,7 @@ def test_a_run_ends_with_a_summary_on_stderr_and_json_stays_on_stdout(bf16_pair,
     assert lines[4] == f"pruned drafter: {out / 'final'} -> step-01 (1 layer, bfloat16)"
     assert lines[5] == f"report: {out / 'report.md'}"
     assert f"would make it {gain:.3f}x faster" in (out / "report.md").read_text()
-    assert "fewer make the drafter at most" in captured.err  # announced before the first round
+    assert "1 layer fewer makes the drafter at most" in captured.err  # announced before the first round
 
     assert main(run_args(bf16_pair, out, "--resume")) == 0  # without --json, stdout stays empty
     captured = capsys.readouterr()
