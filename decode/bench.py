@@ -246,8 +246,7 @@ def _predictions(decoder: str, times: cost.PassTimes, summary: dict, concurrent:
     if tau is None or width is None:
         return {"predicted_speedup": None, "predicted_round_ms": None, "speedup_limit": None}
     fallback = summary.get("fallback_rate") or 0.0
-    share = summary.get("packed_share")
-    shape = {} if share is None else {"packed_share": share, "packed_tokens": summary.get("packed_pass_tokens_mean")}
+    shape = cost.packed_shape(summary.get("packed_share"), summary.get("packed_pass_tokens_mean"))
     return {"predicted_speedup": cost.predicted_speedup(decoder, times, tau, width, fallback, concurrent, **shape),
             "predicted_round_ms": cost.round_ms(decoder, times, width, fallback, concurrent, **shape),
             "speedup_limit": cost.speedup_limit(times, tau, width)}

@@ -115,6 +115,12 @@ class RoundShape:
     concurrent: bool = True
 
 
+def packed_shape(packed_share: float | None, packed_tokens: float | None) -> dict:
+    """The packed-pass fields of RoundShape as keyword arguments for the functions below, from a run's
+    measurements: none when the share was not measured (every async round then runs the full packed pass)."""
+    return {} if packed_share is None else {"packed_share": packed_share, "packed_tokens": packed_tokens}
+
+
 def _ar_round(times: PassTimes, shape: RoundShape) -> float:
     return times.ar_ms
 

@@ -219,11 +219,9 @@ def _log_ceiling(run: _Run, state: RunState) -> None:
     gain = state.equal_tau_speedup(state.layers - removable)
     if gain is None:
         return
-    draft = state.timing.draft
     layers = "1 layer fewer makes" if removable == 1 else f"{removable} layers fewer make"
-    run.log(f"on this machine {layers} the drafter at most {gain:.3f}x faster at equal tau (predicted: a draft "
-            f"pass of {draft.fixed_ms:.1f} ms + {draft.per_layer_ms:.2f} ms per layer, a "
-            f"{state.timing.target.ar_ms:.1f} ms target step); what a step loses in tau comes off that")
+    run.log(f"on this machine {layers} the drafter at most {gain:.3f}x faster at equal tau (predicted: "
+            f"{state.timing.depth_text()}); what a step loses in tau comes off that")
 
 
 def _step_size(config: RunConfig, layers: int, removed_total: int) -> tuple[int, str | None]:

@@ -46,12 +46,9 @@ def _markdown(state: RunState, plots: list[Path]) -> str:
                      f"{h.tau:.3f} | {h.retention:.4f} | {heal} | {number(h.predicted_speedup, 2, 'x')} |")
     gain = state.equal_tau_speedup(state.layers) if state.history else None
     if gain is not None:
-        draft = state.timing.draft
         lines += ["", f"At the unpruned tau, the final drafter's {state.timing.layers - state.layers} fewer layers "
-                  f"would make it {gain:.3f}x faster (predicted: a draft pass of {draft.fixed_ms:.1f} ms + "
-                  f"{draft.per_layer_ms:.2f} ms per layer, a {state.timing.target.ar_ms:.1f} ms target step). That "
-                  "is the most its depth buys on this machine; the predicted speedup above is this times what its "
-                  "tau keeps."]
+                  f"would make it {gain:.3f}x faster (predicted: {state.timing.depth_text()}). That is the most its "
+                  "depth buys on this machine; the predicted speedup above is about this times what its tau keeps."]
     lines += _speed_lines(state.speed)
     lines += ["", *[f"![{p.stem}]({p.name})" for p in plots], ""]
     return "\n".join(lines)

@@ -87,9 +87,8 @@ class Evaluation:
         """Predicted async speedup of this drafter with pass times `times` (None without target times)."""
         if times is None or self.width is None:
             return None
-        shape = {} if self.packed_share is None else {"packed_share": self.packed_share,
-                                                      "packed_tokens": self.packed_tokens}
-        return cost.predicted_speedup("async", times, self.tau, self.width, self.fallback_rate or 0.0, **shape)
+        return cost.predicted_speedup("async", times, self.tau, self.width, self.fallback_rate or 0.0,
+                                      **cost.packed_shape(self.packed_share, self.packed_tokens))
 
 
 @dataclass

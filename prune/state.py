@@ -71,6 +71,11 @@ class Timing:
         """Modelled packed-pass time (ms) of a `layers`-layer drafter of this campaign."""
         return self.packed.at(layers)
 
+    def depth_text(self) -> str:
+        """What a layer costs on the measuring machine, in words (for the run's log and report)."""
+        target = f", a {self.target.ar_ms:.1f} ms target step" if self.target is not None else ""
+        return f"a draft pass of {self.draft.fixed_ms:.1f} ms + {self.draft.per_layer_ms:.2f} ms per layer{target}"
+
     def to_dict(self) -> dict:
         if self.legacy is not None:
             return dict(self.legacy)
@@ -287,9 +292,8 @@ class RunState:
         if self.timing is None or base.width is None or self.timing.target is None:
             return None
         before, after = self.timing.pass_times(self.timing.layers), self.timing.pass_times(layers)
-        shape = {} if base.packed_share is None else {"packed_share": base.packed_share,
-                                                      "packed_tokens": base.packed_tokens}
-        return cost.equal_tau_speedup("async", before, after, base.width, base.fallback_rate or 0.0, **shape)
+        return cost.equal_tau_speedup("async", before, after, base.width, base.fallback_rate or 0.0,
+                                      **cost.packed_shape(base.packed_share, base.packed_tokens))
 
     def removed_original(self) -> list[int]:
         """Every removed layer, by its index in the unpruned drafter, in the order removed."""

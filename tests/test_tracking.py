@@ -85,6 +85,7 @@ def test_prune_run_writes_an_offline_run_with_the_documented_metrics(pair_dirs, 
     summary = run["summary"]
     assert summary["final/tau"] == state["history"][-1]["tau"] and summary["final/layers"] == 1
     assert summary["final/layers_removed"] == 2 and summary["final/stopped_by"] == "layer budget"
+    assert summary["final/equal_tau_speedup"] is not None
     assert summary["final/equal_tau_speedup"] == pytest.approx(RunState.from_dict(state).equal_tau_speedup(1))
 
     tables = sorted((log.parent / "files" / "media" / "table").glob("layer_scores_[0-9]*.table.json"))

@@ -243,6 +243,7 @@ def equal_tau_gain(state: dict) -> float | None:
     .equal_tau_speedup) from the JSON of a run's state; None before a step or without what it needs."""
     from prune.state import RunState
 
+    # a state from before the round shape was recorded (or a partial one) has no width: nothing to model
     if not state.get("history") or not state.get("timing") or state["base"].get("width") is None:
         return None
     return RunState.from_dict(state).equal_tau_speedup(state["history"][-1]["layers"])
