@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
@@ -131,8 +132,6 @@ def test_padding_does_not_change_the_loss(make_tiny_drafter):
 
 def test_teacher_term_is_a_kl_that_vanishes_on_the_teacher_and_mixes_with_ce(make_tiny_drafter):
     """With a teacher, each row's loss is (1 - w) CE + w KL(teacher || model), KL over the proposable ids."""
-    from prune.training.loss import teacher_divergence
-
     model, other = make_tiny_drafter(block_size=B), make_tiny_drafter(block_size=B, seed=5)
     batch = build_batch([make_example(3, 9, seed=4)], B, MASK_ID, 0, anchors=[[4, 9]])
     plain = drafter_loss(model, batch, gamma=2.0)
@@ -145,9 +144,50 @@ def test_teacher_term_is_a_kl_that_vanishes_on_the_teacher_and_mixes_with_ce(mak
     assert taught.total.item() > 0 and math.isfinite(taught.total.item())
     taught.total.backward()
     assert all(p.grad is None for p in other.parameters())  # the teacher stays frozen
-    logits = torch.tensor([[0.0, 1.0, float("-inf")]])
-    assert teacher_divergence(logits, logits).item() == 0.0
-    expected = (F.softmax(logits[:, :2], -1) * (F.log_softmax(logits[:, :2], -1)
-                                               - F.log_softmax(torch.tensor([[1.0, 0.0]]), -1))).sum()
-    assert math.isclose(teacher_divergence(torch.tensor([[1.0, 0.0, float("-inf")]]), logits).item(),
-                        expected.item(), rel_tol=1e-6)
+
+
+def divergence(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Reference KL(teacher || model) per row on whole logits, over the ids both leave finite."""
+    log_p, log_q = F.log_softmax(teacher_logits, -1), F.log_softmax(logits, -1)
+    return torch.where(torch.isfinite(teacher_logits), log_p.exp() * (log_p - log_q), 0.0).sum(-1)
+
+
+@pytest.mark.parametrize("distill_weight", [0.0, 0.25, 1.0])
+@pytest.mark.parametrize("head_trained", [False, True])
+def test_chunked_head_losses_equal_the_whole_logits_reference(make_tiny_drafter, monkeypatch, distill_weight,
+                                                              head_trained):
+    """head_losses never holds the (rows, vocab) logits whole; its losses, argmax and gradients (hidden states
+    and, when trained, the head) are those of the plain formula on the whole masked logits."""
+    import prune.training.loss as loss_module
+    from prune.training.loss import head_losses
+
+    monkeypatch.setattr(loss_module, "HEAD_CHUNK_ROWS", 3)  # 7 rows: chunks of 3, 3 and 1
+    model, teacher = make_tiny_drafter(block_size=B), make_tiny_drafter(block_size=B, seed=5)
+    model.lm_head.weight.requires_grad_(head_trained)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, model.config.hidden_size, generator=generator, requires_grad=True)
+    teacher_hidden = torch.randn(7, model.config.hidden_size, generator=generator)
+    targets = torch.randint(0, MASK_ID, (7,), generator=generator)
+    upstream = torch.rand(7, generator=generator)  # unequal row weights, as the slot weights give
+
+    def reference():
+        logits = masked_logits(model, hidden)
+        loss = F.cross_entropy(logits, targets, reduction="none")
+        if distill_weight > 0:
+            loss = (1 - distill_weight) * loss + distill_weight * divergence(
+                logits, masked_logits(teacher, teacher_hidden))
+        return loss, logits.argmax(-1)
+
+    def gradients(loss):
+        (loss * upstream).sum().backward()
+        grads = [hidden.grad.clone()] + ([model.lm_head.weight.grad.clone()] if head_trained else [])
+        hidden.grad, model.lm_head.weight.grad = None, None
+        return grads
+
+    want, want_top = reference()
+    want_grads = gradients(want)
+    got, got_top = head_losses(model, hidden, targets, distill_weight, teacher, teacher_hidden)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got_top, want_top)
+    for g, w in zip(gradients(got), want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

@@ -269,16 +269,20 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
     return torch.exp(-torch.arange(block_size, dtype=torch.float32) / gamma)
 
 
-def _supervised_logits(model: torch.nn.Module, batch: DiffusionBatch, rows: torch.Tensor) -> torch.Tensor:
-    """Masked logits `(rows, vocab)` float32 of `model` at flat query rows `rows` of `batch`."""
-    lm = causal_lm(model)
-    hidden = lm.model(
+def _supervised_hidden(model: torch.nn.Module, batch: DiffusionBatch, rows: torch.Tensor) -> torch.Tensor:
+    """Final hidden states `(rows, hidden_size)` of `model` at flat query rows `rows` of `batch`."""
+    hidden = causal_lm(model).model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
         use_cache=False,
     ).last_hidden_state  # (batch, Q, hidden)
-    return masked_logits(lm, hidden.reshape(-1, hidden.shape[-1])[rows])
+    return hidden.reshape(-1, hidden.shape[-1])[rows]
+
+
+def _supervised_logits(model: torch.nn.Module, batch: DiffusionBatch, rows: torch.Tensor) -> torch.Tensor:
+    """Masked logits `(rows, vocab)` float32 of `model` at flat query rows `rows` of `batch`."""
+    return masked_logits(causal_lm(model), _supervised_hidden(model, batch, rows))
 
 
 def draft_slots(batch: DiffusionBatch, values: torch.Tensor, fill) -> torch.Tensor:
@@ -290,11 +294,119 @@ def draft_slots(batch: DiffusionBatch, values: torch.Tensor, fill) -> torch.Tens
     return dense.view(-1, size)[:, : size - 1]
 
 
-def teacher_divergence(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """KL(teacher || model) per row `(rows,)`, over the ids both leave finite (masked ids are -inf in both)."""
-    finite = torch.isfinite(teacher_logits)
-    log_p, log_q = F.log_softmax(teacher_logits, -1), F.log_softmax(logits, -1)
-    return torch.where(finite, log_p.exp() * (log_p - log_q), 0.0).sum(-1)
+HEAD_CHUNK_ROWS = 128  # logit rows `head_losses` holds at once: 25 MB at a 49k vocabulary, not a batch's 300
+
+
+def head_losses(lm: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, distill_weight: float = 0.0,
+                teacher_lm: torch.nn.Module | None = None,
+                teacher_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's loss through the drafter's head: (1 - w) * CE(target) + w * KL(teacher || model), w =
+    `distill_weight` with a teacher and 0 without; and each row's argmax.
+
+    Args:
+        lm: the drafter's `Qwen3ForCausalLM` (its `lm_head` is bias-free).
+        hidden: `(rows, hidden_size)`, the drafter's final hidden states at the supervised rows.
+        targets: LongTensor `(rows,)`, never a masked id.
+        teacher_lm, teacher_hidden: the teacher's model (same vocabulary) and its hidden states at the same
+            rows (no grad).
+
+    Returns:
+        (loss `(rows,)` float32 with a graph to `hidden` and the head's weight, argmax LongTensor `(rows,)`).
+
+    The softmaxes run over the ids inference can propose, the ids `masked_logits` leaves finite: the head's
+    other rows are left out rather than set to -inf, which is the same distribution at less arithmetic. The
+    `(rows, vocab)` logits are computed `HEAD_CHUNK_ROWS` rows at a time and never kept: autograd would
+    otherwise hold several such tensors per batch (hundreds of MB at a 49k vocabulary, the slowest part of a
+    CPU heal). The gradient of a row's loss with respect to its logits is q - (1 - w) onehot - w p (q, p:
+    the model's and the teacher's probabilities); backward multiplies it by the head, each row by its
+    incoming gradient. While the head is frozen (a LoRA heal) that product is taken in the forward pass
+    (`(rows, hidden_size)`, small); a trained head needs each row's incoming gradient for its own weight
+    gradient, so backward computes the chunks again. Autocast is off inside: the head runs in float32, as
+    `masked_logits` returns it.
+    """
+    if teacher_hidden is None or distill_weight <= 0:
+        teacher_lm, teacher_hidden, distill_weight = None, None, 0.0
+    with torch.no_grad():
+        probe = masked_logits(lm, lm.lm_head.weight.new_zeros(1, hidden.shape[-1]))[0]
+    proposable = torch.isfinite(probe).nonzero().flatten()  # (V',) ids
+    column = torch.full_like(probe, -1, dtype=torch.long)
+    column[proposable] = torch.arange(proposable.numel(), device=probe.device)
+    teacher_weight = None if teacher_lm is None else teacher_lm.lm_head.weight.detach()
+    loss, top = _HeadLoss.apply(hidden, lm.lm_head.weight, column[targets], proposable, teacher_weight,
+                                teacher_hidden, distill_weight)
+    return loss, proposable[top]
+
+
+class _HeadLoss(torch.autograd.Function):
+    """`head_losses` on the proposable columns (`proposable`, `(V',)` ids; `targets` are column numbers),
+    chunked forward and backward (see there). Returns (loss `(rows,)`, argmax column `(rows,)`)."""
+
+    @staticmethod
+    @torch.autocast("cpu", enabled=False)
+    @torch.autocast("cuda", enabled=False)
+    def forward(ctx, hidden, weight, targets, proposable, teacher_weight, teacher_hidden, distill_weight):
+        head = weight.index_select(0, proposable).float()
+        teacher_head = None if teacher_weight is None else teacher_weight.index_select(0, proposable).float()
+        head_frozen = not ctx.needs_input_grad[1]
+        losses, argmax, jacobian = [], [], []
+        for rows in _chunks(hidden.shape[0]):
+            loss, top, grad = _head_chunk(head, hidden[rows], targets[rows], teacher_head,
+                                          None if teacher_hidden is None else teacher_hidden[rows], distill_weight)
+            losses.append(loss)
+            argmax.append(top)
+            if head_frozen and ctx.needs_input_grad[0]:
+                jacobian.append(grad @ head)
+        ctx.distill_weight = distill_weight
+        ctx.save_for_backward(hidden, weight, targets, proposable, teacher_weight, teacher_hidden,
+                              torch.cat(jacobian) if jacobian else None)
+        top = torch.cat(argmax)
+        ctx.mark_non_differentiable(top)
+        return torch.cat(losses), top
+
+    @staticmethod
+    @torch.autocast("cpu", enabled=False)
+    @torch.autocast("cuda", enabled=False)
+    def backward(ctx, grad_loss, _grad_argmax):
+        hidden, weight, targets, proposable, teacher_weight, teacher_hidden, jacobian = ctx.saved_tensors
+        if jacobian is not None:
+            return (grad_loss[:, None] * jacobian).to(hidden.dtype), *[None] * 6
+        head = weight.index_select(0, proposable).float()
+        teacher_head = None if teacher_weight is None else teacher_weight.index_select(0, proposable).float()
+        grad_hidden = torch.zeros_like(hidden, dtype=torch.float32)
+        grad_head = torch.zeros_like(head) if ctx.needs_input_grad[1] else None
+        for rows in _chunks(hidden.shape[0]):
+            _, _, grad = _head_chunk(head, hidden[rows], targets[rows], teacher_head,
+                                     None if teacher_hidden is None else teacher_hidden[rows], ctx.distill_weight)
+            grad = grad * grad_loss[rows, None]
+            grad_hidden[rows] = grad @ head
+            if grad_head is not None:
+                grad_head += grad.T @ hidden[rows].float()
+        grad_weight = None
+        if grad_head is not None:  # the head's masked rows never reach a loss: zero gradient
+            grad_weight = torch.zeros_like(weight).index_copy_(0, proposable, grad_head.to(weight.dtype))
+        return grad_hidden.to(hidden.dtype), grad_weight, *[None] * 5
+
+
+def _chunks(rows: int) -> list[slice]:
+    return [slice(start, start + HEAD_CHUNK_ROWS) for start in range(0, rows, HEAD_CHUNK_ROWS)]
+
+
+@torch.no_grad()
+def _head_chunk(head, hidden, targets, teacher_head, teacher_hidden, distill_weight):
+    """One chunk of `_HeadLoss` on heads `(V', hidden_size)` float32: (loss `(c,)`, argmax column `(c,)`,
+    d loss / d logits `(c, V')`)."""
+    logits = F.linear(hidden.float(), head)
+    log_q = F.log_softmax(logits, -1)
+    grad = log_q.exp()
+    picked = targets[:, None]
+    loss = -log_q.gather(-1, picked).squeeze(-1) * (1 - distill_weight)
+    grad.scatter_add_(-1, picked, torch.full(picked.shape, distill_weight - 1, dtype=grad.dtype, device=grad.device))
+    if teacher_head is not None:
+        log_p = F.log_softmax(F.linear(teacher_hidden.float(), teacher_head), -1)
+        p = log_p.exp()
+        loss = loss + distill_weight * (p * (log_p - log_q)).sum(-1)
+        grad -= distill_weight * p
+    return loss, logits.argmax(-1), grad
 
 
 def drafter_loss(
@@ -311,13 +423,13 @@ def drafter_loss(
     """
     num_slots = batch.slot_rows.numel()
     rows = torch.cat([batch.slot_rows, batch.ar_rows])
-    logits = _supervised_logits(model, batch, rows)  # (S + A, vocab) float32
     targets = torch.cat([batch.slot_targets, batch.ar_targets])
-    ce = F.cross_entropy(logits, targets, reduction="none")
+    teacher_hidden = None
     if teacher is not None and distill_weight > 0:
         with torch.no_grad():
-            teacher_logits = _supervised_logits(teacher, batch, rows)
-        ce = (1 - distill_weight) * ce + distill_weight * teacher_divergence(logits, teacher_logits)
+            teacher_hidden = _supervised_hidden(teacher, batch, rows)
+    ce, predicted = head_losses(causal_lm(model), _supervised_hidden(model, batch, rows), targets, distill_weight,
+                                causal_lm(teacher) if teacher is not None else None, teacher_hidden)
     ce_slot, ce_ar = ce[:num_slots], ce[num_slots:]
 
     weights = slot_weights(batch.block_size, gamma).to(ce.device)[batch.slot_number]  # (S,)
@@ -326,7 +438,7 @@ def drafter_loss(
     total = diff + ar_weight * ar
 
     with torch.no_grad():
-        correct = logits[:num_slots].argmax(-1) == batch.slot_targets  # (S,)
+        correct = predicted[:num_slots] == batch.slot_targets  # (S,)
         size = batch.block_size
         slot_correct = torch.zeros(size, dtype=torch.long, device=ce.device).index_add_(
             0, batch.slot_number, correct.long()
