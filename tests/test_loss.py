@@ -191,3 +191,8 @@ def test_chunked_head_losses_equal_the_whole_logits_reference(make_tiny_drafter,
     assert torch.equal(got_top, want_top)
     for g, w in zip(gradients(got), want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    # A batch without supervised rows (a short held-out sequence) gives empty losses and a zero gradient.
+    none, none_top = head_losses(model, hidden[:0], targets[:0], distill_weight, teacher, teacher_hidden[:0])
+    assert none.shape == none_top.shape == (0,)
+    none.sum().backward()
+    assert hidden.grad is not None and not hidden.grad.any()

@@ -388,7 +388,8 @@ class _HeadLoss(torch.autograd.Function):
 
 
 def _chunks(rows: int) -> list[slice]:
-    return [slice(start, start + HEAD_CHUNK_ROWS) for start in range(0, rows, HEAD_CHUNK_ROWS)]
+    """The row chunks of `HEAD_CHUNK_ROWS`; one empty chunk for no rows (a batch without supervised rows)."""
+    return [slice(start, start + HEAD_CHUNK_ROWS) for start in range(0, max(rows, 1), HEAD_CHUNK_ROWS)]
 
 
 @torch.no_grad()
