@@ -10,10 +10,10 @@ so a slot sees the same keys in training as at inference.
 - L_diff: slot i (1-based) of the block at p predicts x_{p+i} with weight w_i = exp(-(i-1)/gamma);
   slots past the sequence end or on prompt positions get weight 0. Normalised by sum(w_i * valid).
 - L_AR: next-token cross entropy of the clean stream, on rows whose next token is a response token.
-- The head runs only on supervised rows, and its logits are masked exactly as at inference
-  (`masked_logits`: the mask id and padded vocabulary rows at -inf). Those ids are never targets, so the
-  loss stays finite; the softmax is then normalised over the ids inference can propose, and no gradient
-  is spent pushing down logits that inference discards anyway.
+- The head runs only on supervised rows (`head_losses`, in chunks of rows), over the ids inference can
+  propose (those `masked_logits` leaves finite: not the mask id nor padded vocabulary rows). Those ids are
+  never targets, so the loss stays finite; the softmax is normalised over the ids inference can propose,
+  and no gradient is spent pushing down logits that inference discards anyway.
 """
 
 from dataclasses import dataclass
