@@ -65,7 +65,8 @@ def heal(model: torch.nn.Module, examples: list[Example], config: HealConfig, de
          checkpoint_dir=None, progress: bool = False, label: str = "heal"):
     """LoRA-fine-tune a copy of `model` on `examples` and merge it; returns (healed model, loss history).
 
-    `teacher`: the drafter `model` was pruned from, matched with weight `config.distill_weight`.
+    `teacher`: the drafter `model` was pruned from (or a prune.training.loss.Teacher around it), matched with
+    weight `config.distill_weight`.
     `checkpoint_dir`, `progress`, `label`: as in `train_config`."""
     config.validate()
     if config.steps == 0:

@@ -39,6 +39,7 @@ from .report import write_report
 from .scoring import Evaluation, ScoreReport, cached_scores, carried_scores, evaluate, round_evaluations
 from .state import (BaseRecord, RunState, StepRecord, Timing, campaign_timing, has_run, judged_on, load_state,
                     save_state)
+from .training.loss import Teacher
 
 _silent = functools.partial(progress_bar, enabled=False)
 
@@ -70,6 +71,12 @@ class Campaign:
     cache: Path | None = None
     check_prompts: list | None = None
     check_trajectories: list | None = None
+
+    @functools.cached_property
+    def teacher(self) -> Teacher:
+        """The unpruned drafter as every heal's teacher, remembering its states: the heals of a campaign draw
+        the same batches, so the teacher runs in the first heal only (prune.training.loss.Teacher)."""
+        return Teacher(self.drafter, remember=True)
 
 
 @dataclass
@@ -346,7 +353,7 @@ def _heal(run: _Run, reduced, before: Evaluation, base_tau: float, step: int):
     run.log(f"{standing}: healing ({config.steps} LoRA updates, --heal-distill {config.distill_weight:g})")
     started = time.monotonic()
     # The teacher of a distilling heal is the unpruned drafter: what every step tries to stay close to.
-    candidate, losses = heal(reduced, examples, config, teacher=run.campaign.drafter,
+    candidate, losses = heal(reduced, examples, config, teacher=run.campaign.teacher,
                              progress=run.hooks.heal_progress, label=f"step {step}: heal")
     candidate = round_to_dtype(candidate, run.dtype)  # judge the heal by the weights that are exported
     after = run.judge(candidate)

@@ -94,3 +94,28 @@ def test_a_heal_with_a_teacher_pulls_a_pruned_drafter_towards_it():
         assert divergence(healed) < divergence(pruned)
     with pytest.raises(Exception, match="distill_weight"):
         heal(pruned, examples(), HealConfig(steps=1, distill_weight=1.5), teacher=teacher)
+
+
+def test_a_remembering_teacher_runs_once_per_batch_and_heals_the_same():
+    """A campaign's heals draw the same batches: a Teacher that remembers runs its layers in the first heal only,
+    and every heal ends with the weights and losses of a heal with the plain teacher."""
+    from models.surgery import remove_layers
+    from prune.training.loss import Teacher
+
+    teacher = build_tiny_drafter(num_hidden_layers=3, block_size=4)
+    pruned = remove_layers(teacher, [1])
+    config = HealConfig(steps=3, rank=4, alpha=8, batch_size=4, lr=1e-2, distill_weight=0.5)
+    plain, plain_history = heal(pruned, examples(), config, teacher=teacher)
+    passes = []
+    hook = teacher.model.register_forward_hook(lambda *_: passes.append(1))
+    remembering = Teacher(teacher, remember=True)
+    first, first_history = heal(pruned, examples(), config, teacher=remembering)
+    assert len(passes) == config.steps and len(remembering.remembered) == config.steps
+    second, second_history = heal(pruned, examples(), config, teacher=remembering)
+    assert len(passes) == config.steps  # nothing new to compute
+    other, _ = heal(pruned, examples(), HealConfig(**{**vars(config), "seed": 1}), teacher=remembering)
+    assert len(passes) == 2 * config.steps  # other batches: the teacher runs again
+    hook.remove()
+    for model, history in ((first, first_history), (second, second_history)):
+        assert [h["loss"] for h in history] == [h["loss"] for h in plain_history]
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))

@@ -25,7 +25,7 @@ from models.errors import CheckpointError, ConfigError
 from models.faults import fault_point
 
 from .config import TrainConfig
-from .loss import DiffusionBatch, Example, build_batch, causal_lm, drafter_loss, sample_anchors
+from .loss import DiffusionBatch, Example, Teacher, build_batch, causal_lm, drafter_loss, sample_anchors
 
 CHECKPOINT_STATE = "trainer_state.json"
 # Settings that may change between a run and its resumption without changing its result.
@@ -151,7 +151,7 @@ def train(
     config: TrainConfig,
     callback: Callable[[int, torch.nn.Module], dict | None] | None = None,
     device: str | torch.device | None = None,
-    teacher: torch.nn.Module | None = None,
+    teacher: "torch.nn.Module | Teacher | None" = None,
 ) -> list[dict]:
     """Train `model` on `dataset` with the drafter's loss; return the loss history.
 
@@ -161,8 +161,8 @@ def train(
         callback: `callback(step, model) -> dict | None`, called in eval mode under `no_grad` every
             `config.eval_every` steps and after the last; a returned dict is merged into that step's record.
         device: where to train (default: where the model is); the model is moved there.
-        teacher: a drafter (in eval mode) whose predictions the loss also matches (`config.distill_weight`);
-            moved to `device`, never trained.
+        teacher: a drafter (in eval mode) whose predictions the loss also matches (`config.distill_weight`),
+            or a `prune.training.loss.Teacher` around one; moved to `device`, never trained.
 
     Returns:
         One dict per optimizer update: step (1-based), lr, loss, diff, ar, grad_norm, accept_proxy,
@@ -181,8 +181,9 @@ def train(
     if folder is not None and config.resume and (folder / CHECKPOINT_STATE).is_file():
         step, history = _load_checkpoint(folder, config, optim.params, optim.optimizer, optim.scheduler,
                                          batches.sampler, batches.anchors)
+    teacher = Teacher.of(teacher)
     if teacher is not None:
-        teacher.to(device)  # read under no_grad only (prune.training.loss), so it is neither trained nor changed
+        teacher.model.to(device)  # read under no_grad only (prune.training.loss), so it is neither trained nor changed
     model.train()
     call_start = time.perf_counter()
     bar = _progress_bar(config.progress, config.progress_label, config.steps, step)
@@ -211,7 +212,7 @@ def train(
 
 
 def _update(model: torch.nn.Module, batches: _Batches, optim: _Optimizer, config: TrainConfig,
-            device: torch.device, step: int, teacher: torch.nn.Module | None = None) -> dict:
+            device: torch.device, step: int, teacher: Teacher | None = None) -> dict:
     """Optimizer update `step` + 1 over `config.grad_accum` micro-batches; returns its history record.
 
     Losses are averaged over the micro-batches (each backward is scaled by 1 / grad_accum); the record

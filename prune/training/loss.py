@@ -16,6 +16,7 @@ so a slot sees the same keys in training as at inference.
   and no gradient is spent pushing down logits that inference discards anyway.
 """
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -294,6 +295,46 @@ def draft_slots(batch: DiffusionBatch, values: torch.Tensor, fill) -> torch.Tens
     return dense.view(-1, size)[:, : size - 1]
 
 
+class Teacher:
+    """The frozen drafter whose predictions a distilling loss matches (`drafter_loss`).
+
+    `hidden(batch, rows)`: its final hidden states at flat query rows `rows` of `batch`, computed without
+    grad. With `remember`, they are kept per batch, keyed by the batch's contents (ids, mask, positions and
+    rows): a campaign's heals draw the same seeded batches from the same unpruned drafter, so every heal
+    after the first reads the teacher's states instead of running its layers again (docs/design.md, Drafter
+    training). At most `most` batches are kept (about 1 MB each for the demo drafter's heal batches). The
+    model must not change while remembered states are read.
+    """
+
+    def __init__(self, model: torch.nn.Module, remember: bool = False, most: int = 256):
+        self.model = model
+        self.remembered: dict[bytes, torch.Tensor] | None = {} if remember else None
+        self.most = most
+
+    @classmethod
+    def of(cls, teacher: "torch.nn.Module | Teacher | None") -> "Teacher | None":
+        """`teacher` as a Teacher (a plain model remembers nothing)."""
+        return teacher if teacher is None or isinstance(teacher, Teacher) else cls(teacher)
+
+    def hidden(self, batch: DiffusionBatch, rows: torch.Tensor) -> torch.Tensor:
+        key = self._key(batch, rows) if self.remembered is not None else None
+        if key is not None and key in self.remembered:
+            return self.remembered[key]
+        with torch.no_grad():
+            states = _supervised_hidden(self.model, batch, rows)
+        if key is not None and len(self.remembered) < self.most:
+            self.remembered[key] = states
+        return states
+
+    @staticmethod
+    def _key(batch: DiffusionBatch, rows: torch.Tensor) -> bytes:
+        digest = hashlib.blake2b(digest_size=32)
+        for tensor in (batch.input_ids, batch.position_ids, batch.attention_mask, rows):
+            digest.update(str((tuple(tensor.shape), tensor.dtype)).encode())
+            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.digest()
+
+
 HEAD_CHUNK_ROWS = 128  # logit rows `head_losses` holds at once: 25 MB at a 49k vocabulary, not a batch's 300
 
 
@@ -412,25 +453,22 @@ def _head_chunk(head, hidden, targets, teacher_head, teacher_hidden, distill_wei
 
 def drafter_loss(
     model: torch.nn.Module, batch: DiffusionBatch, gamma: float = TrainConfig.gamma,
-    ar_weight: float = TrainConfig.ar_weight, teacher: torch.nn.Module | None = None,
+    ar_weight: float = TrainConfig.ar_weight, teacher: "torch.nn.Module | Teacher | None" = None,
     distill_weight: float = TrainConfig.distill_weight,
 ) -> LossOutput:
     """L = L_diff + ar_weight * L_AR on a batch already on the model's device.
 
     The mask must have the attention dtype (float32, or bfloat16 under bf16 autocast). Runs the decoder
     layers on every query row and the head only on the S + A supervised rows. With a `teacher` (a frozen
-    drafter on the same device) and `distill_weight` w > 0, each row's cross entropy becomes
+    drafter on the same device, or a `Teacher` that remembers its states) and `distill_weight` w > 0, each row's cross entropy becomes
     (1 - w) * CE + w * KL(teacher || model) (TrainConfig.distill_weight).
     """
     num_slots = batch.slot_rows.numel()
     rows = torch.cat([batch.slot_rows, batch.ar_rows])
     targets = torch.cat([batch.slot_targets, batch.ar_targets])
-    teacher_hidden = None
-    if teacher is not None and distill_weight > 0:
-        with torch.no_grad():
-            teacher_hidden = _supervised_hidden(teacher, batch, rows)
+    teacher = Teacher.of(teacher) if distill_weight > 0 else None
     ce, predicted = head_losses(causal_lm(model), _supervised_hidden(model, batch, rows), targets, distill_weight,
-                                causal_lm(teacher) if teacher is not None else None, teacher_hidden)
+                                teacher and causal_lm(teacher.model), teacher and teacher.hidden(batch, rows))
     ce_slot, ce_ar = ce[:num_slots], ce[num_slots:]
 
     weights = slot_weights(batch.block_size, gamma).to(ce.device)[batch.slot_number]  # (S,)
