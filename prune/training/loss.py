@@ -386,20 +386,18 @@ class _HeadLoss(torch.autograd.Function):
     @torch.autocast("cpu", enabled=False)
     @torch.autocast("cuda", enabled=False)
     def forward(ctx, hidden, weight, targets, proposable, teacher_weight, teacher_hidden, distill_weight):
-        head = weight.index_select(0, proposable).float()
-        teacher_head = None if teacher_weight is None else teacher_weight.index_select(0, proposable).float()
-        head_frozen = not ctx.needs_input_grad[1]
+        # With a frozen head, each row's gradient to its hidden state is formed here, while the chunk is at hand.
+        jacobian_here = not ctx.needs_input_grad[1] and ctx.needs_input_grad[0]
         losses, argmax, jacobian = [], [], []
-        for rows in _chunks(hidden.shape[0]):
-            loss, top, grad = _head_chunk(head, hidden[rows], targets[rows], teacher_head,
-                                          None if teacher_hidden is None else teacher_hidden[rows], distill_weight)
+        for head, _, loss, top, grad in _each_chunk(hidden, weight, targets, proposable, teacher_weight,
+                                                    teacher_hidden, distill_weight, jacobian_here):
             losses.append(loss)
             argmax.append(top)
-            if head_frozen and ctx.needs_input_grad[0]:
+            if jacobian_here:
                 jacobian.append(grad @ head)
         ctx.distill_weight = distill_weight
         ctx.save_for_backward(hidden, weight, targets, proposable, teacher_weight, teacher_hidden,
-                              torch.cat(jacobian) if jacobian else None)
+                              torch.cat(jacobian) if jacobian_here else None)
         top = torch.cat(argmax)
         ctx.mark_non_differentiable(top)
         return torch.cat(losses), top
@@ -411,43 +409,53 @@ class _HeadLoss(torch.autograd.Function):
         hidden, weight, targets, proposable, teacher_weight, teacher_hidden, jacobian = ctx.saved_tensors
         if jacobian is not None:
             return (grad_loss[:, None] * jacobian).to(hidden.dtype), *[None] * 6
-        head = weight.index_select(0, proposable).float()
-        teacher_head = None if teacher_weight is None else teacher_weight.index_select(0, proposable).float()
         grad_hidden = torch.zeros_like(hidden, dtype=torch.float32)
-        grad_head = torch.zeros_like(head) if ctx.needs_input_grad[1] else None
-        for rows in _chunks(hidden.shape[0]):
-            _, _, grad = _head_chunk(head, hidden[rows], targets[rows], teacher_head,
-                                     None if teacher_hidden is None else teacher_hidden[rows], ctx.distill_weight)
+        grad_head = None
+        for head, rows, _, _, grad in _each_chunk(hidden, weight, targets, proposable, teacher_weight,
+                                                  teacher_hidden, ctx.distill_weight, True):
             grad = grad * grad_loss[rows, None]
             grad_hidden[rows] = grad @ head
-            if grad_head is not None:
-                grad_head += grad.T @ hidden[rows].float()
+            if ctx.needs_input_grad[1]:
+                part = grad.T @ hidden[rows].float()
+                grad_head = part if grad_head is None else grad_head + part
         grad_weight = None
         if grad_head is not None:  # the head's masked rows never reach a loss: zero gradient
             grad_weight = torch.zeros_like(weight).index_copy_(0, proposable, grad_head.to(weight.dtype))
         return grad_hidden.to(hidden.dtype), grad_weight, *[None] * 5
 
 
-def _chunks(rows: int) -> list[slice]:
-    """The row chunks of `HEAD_CHUNK_ROWS`; one empty chunk for no rows (a batch without supervised rows)."""
-    return [slice(start, start + HEAD_CHUNK_ROWS) for start in range(0, max(rows, 1), HEAD_CHUNK_ROWS)]
+def _each_chunk(hidden, weight, targets, proposable, teacher_weight, teacher_hidden, distill_weight, gradient):
+    """`_HeadLoss`'s chunks, `HEAD_CHUNK_ROWS` rows each (one empty chunk for no rows: a batch without
+    supervised rows): (the head's proposable rows `(V', hidden_size)` float32, the chunk's row slice, and
+    `_head_chunk`'s loss, argmax and - when `gradient` - d loss / d logits)."""
+    head = weight.index_select(0, proposable).float()
+    teacher_head = None if teacher_weight is None else teacher_weight.index_select(0, proposable).float()
+    for start in range(0, max(hidden.shape[0], 1), HEAD_CHUNK_ROWS):
+        rows = slice(start, start + HEAD_CHUNK_ROWS)
+        yield head, rows, *_head_chunk(head, hidden[rows], targets[rows], teacher_head,
+                                       None if teacher_hidden is None else teacher_hidden[rows], distill_weight,
+                                       gradient)
 
 
 @torch.no_grad()
-def _head_chunk(head, hidden, targets, teacher_head, teacher_hidden, distill_weight):
+def _head_chunk(head, hidden, targets, teacher_head, teacher_hidden, distill_weight, gradient):
     """One chunk of `_HeadLoss` on heads `(V', hidden_size)` float32: (loss `(c,)`, argmax column `(c,)`,
-    d loss / d logits `(c, V')`)."""
+    d loss / d logits `(c, V')` when `gradient`, else None)."""
     logits = F.linear(hidden.float(), head)
     log_q = F.log_softmax(logits, -1)
-    grad = log_q.exp()
     picked = targets[:, None]
     loss = -log_q.gather(-1, picked).squeeze(-1) * (1 - distill_weight)
-    grad.scatter_add_(-1, picked, torch.full(picked.shape, distill_weight - 1, dtype=grad.dtype, device=grad.device))
+    grad = None
+    if gradient:
+        grad = log_q.exp()
+        grad.scatter_add_(-1, picked, torch.full(picked.shape, distill_weight - 1, dtype=grad.dtype,
+                                                 device=grad.device))
     if teacher_head is not None:
         log_p = F.log_softmax(F.linear(teacher_hidden.float(), teacher_head), -1)
         p = log_p.exp()
         loss = loss + distill_weight * (p * (log_p - log_q)).sum(-1)
-        grad -= distill_weight * p
+        if gradient:
+            grad -= distill_weight * p
     return loss, logits.argmax(-1), grad
 
 
@@ -460,15 +468,18 @@ def drafter_loss(
 
     The mask must have the attention dtype (float32, or bfloat16 under bf16 autocast). Runs the decoder
     layers on every query row and the head only on the S + A supervised rows. With a `teacher` (a frozen
-    drafter on the same device, or a `Teacher` that remembers its states) and `distill_weight` w > 0, each row's cross entropy becomes
-    (1 - w) * CE + w * KL(teacher || model) (TrainConfig.distill_weight).
+    drafter on the same device, or a `Teacher` that remembers its states) and `distill_weight` w > 0, each
+    row's cross entropy becomes (1 - w) * CE + w * KL(teacher || model) (TrainConfig.distill_weight).
     """
     num_slots = batch.slot_rows.numel()
     rows = torch.cat([batch.slot_rows, batch.ar_rows])
     targets = torch.cat([batch.slot_targets, batch.ar_targets])
-    teacher = Teacher.of(teacher) if distill_weight > 0 else None
+    teacher_lm = teacher_hidden = None
+    if teacher is not None and distill_weight > 0:
+        teacher = Teacher.of(teacher)
+        teacher_lm, teacher_hidden = causal_lm(teacher.model), teacher.hidden(batch, rows)
     ce, predicted = head_losses(causal_lm(model), _supervised_hidden(model, batch, rows), targets, distill_weight,
-                                teacher and causal_lm(teacher.model), teacher and teacher.hidden(batch, rows))
+                                teacher_lm, teacher_hidden)
     ce_slot, ce_ar = ce[:num_slots], ce[num_slots:]
 
     weights = slot_weights(batch.block_size, gamma).to(ce.device)[batch.slot_number]  # (S,)
