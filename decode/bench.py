@@ -43,6 +43,7 @@ from typing import Iterable
 import torch
 
 from models.errors import ConfigError
+from models.inference import target_products
 
 from . import cost, registry
 from .config import BaselineConfig, BenchConfig, DecodeConfig
@@ -255,6 +256,8 @@ def _predictions(decoder: str, times: cost.PassTimes, summary: dict, concurrent:
 def _report(summaries: dict, drafters: list, prompts: int, config: BenchConfig, target) -> dict:
     """The JSON-ready report in the layout of the module docstring."""
     settings = _settings(config, target)
+    # the target's dtype is settings["dtype"]; the drafters compute in one dtype of their own (models/precision.py)
+    settings["drafter_dtype"] = str(next(drafters[0][1].parameters()).dtype).replace("torch.", "") if drafters else None
     if len(drafters) <= 1:
         name, drafter = drafters[0] if drafters else (None, None)
         settings.update({
@@ -341,6 +344,7 @@ def _settings(config: BenchConfig, target) -> dict:
         "warmup_tokens": config.warmup_tokens,
         "baselines": config.baselines.settings(),
         "dtype": str(next(target.parameters()).dtype).replace("torch.", ""),
+        "target_products": target_products(target),  # prepacked or plain, as models.inference.target_runner chose
         "device": str(device),
         "environment": {
             "torch": torch.__version__,

@@ -74,11 +74,13 @@ class Generator:
     Args:
         drafter: a drafter folder (None: the demo drafter).
         target: a target folder or `.gguf` file (None: the demo target, prepared once in the cache), or a
-            loaded transformers causal LM (the drafter then loads in its dtype and on its device).
+            loaded transformers causal LM (the drafter then loads on its device).
         tokenizer: the tokenizer to use (default: the target folder's, else the drafter folder's).
         decoder: "async" (D3D: drafting overlaps verification), "sync" or "ar" (the target alone).
         dtype: compute dtype of loaded models: "auto" (bfloat16 where the device computes it natively),
             "float32", "bfloat16", "float16" or a torch dtype.
+        drafter_dtype: the drafter's compute dtype, read the same way, except that "auto" is float32 on a CPU
+            and the target's dtype elsewhere (models/precision.py).
         device: torch device of loaded models.
         width: "adaptive" verifies per round the width the cost model prefers (pass times measured once
             here, a few seconds); "fixed" verifies the drafter's whole block.
@@ -92,13 +94,14 @@ class Generator:
     """
 
     def __init__(self, drafter=None, target=None, *, tokenizer=None, decoder: str = "async",
-                 dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu", width: str = "adaptive",
+                 dtype: str | torch.dtype = "auto", drafter_dtype: str | torch.dtype = "auto",
+                 device: str | torch.device = "cpu", width: str = "adaptive",
                  chat_template: bool = True, cache_dir=None):
         if decoder not in DECODERS:
             raise ConfigError(f"unknown decoder {decoder!r}; choose from {', '.join(DECODERS)}")
         if width not in WIDTH_MODES:
             raise ConfigError(f"unknown width {width!r}; choose {' or '.join(WIDTH_MODES)}")
-        self.pair = _load_pair(drafter, target, tokenizer, dtype, torch.device(device), cache_dir)
+        self.pair = _load_pair(drafter, target, tokenizer, dtype, drafter_dtype, torch.device(device), cache_dir)
         self.decoder = decoder
         self.chat_template = chat_template
         self.config = DecodeConfig(stop_ids=self.pair.stop_ids)
@@ -228,13 +231,13 @@ def _record(prompt) -> dict:
     raise DataError(f"a prompt is text, a list of chat messages or a list of token ids, not {type(prompt).__name__}")
 
 
-def _load_pair(drafter, target, tokenizer, dtype, device: torch.device, cache_dir) -> Pair:
+def _load_pair(drafter, target, tokenizer, dtype, drafter_dtype, device: torch.device, cache_dir) -> Pair:
     """The pair of the Generator's arguments (see its docstring)."""
     drafter = drafter if drafter is not None else demo_drafter_dir()
     if isinstance(target, torch.nn.Module):
-        return pair_with_target(drafter, target, tokenizer)
+        return pair_with_target(drafter, target, tokenizer, drafter_dtype)
     target = target if target is not None else resolve_demo_target(cache_dir)
-    pair = load_pair(drafter, target, resolve_dtype(dtype, device), device)
+    pair = load_pair(drafter, target, resolve_dtype(dtype, device), device, drafter_dtype)
     if tokenizer is not None:
         pair.tokenizer = tokenizer
     return pair

@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from models.errors import DataError
-from models.inference import decoder_runner
+from models.inference import target_runner
 from models.transfer import upload
 
 
@@ -73,7 +73,7 @@ class LiveVerifier:
         self.model = model
         self.temperature = temperature
         self.device = next(model.parameters()).device
-        self.runner = decoder_runner(model, lean, prepack=True)  # the target is frozen
+        self.runner = target_runner(model, lean)  # the target is frozen: prepacked where that is faster
         self.cache = None
         self.length = 0
 

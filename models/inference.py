@@ -5,12 +5,18 @@ vocabulary sizes of 50k-150k the head dominates a small drafter's pass. `decoder
 runner the decoders use: the lean forward of models/lean.py where it applies, transformers' otherwise.
 """
 
+import os
+import statistics
+import time
+import weakref
+
 import torch
 from transformers import DynamicCache
 
 from .cache import DynamicKV
 from .drafter_config import draft_vocab_limit
-from .lean import LeanDecoder
+from .errors import ConfigError
+from .lean import LeanDecoder, can_prepack
 from .masks import BatchedLayout
 
 
@@ -70,16 +76,86 @@ class TransformersDecoder:
         return torch.tanh(logits / cap) * cap if cap else logits
 
 
-def decoder_runner(model: torch.nn.Module, lean: bool = True, prepack: bool = False):
+def decoder_runner(model: torch.nn.Module, lean: bool = True, packed_from: int | None = None):
     """The fastest runner for `model`'s decoder stack: `LeanDecoder` where it applies, else transformers'.
 
-    `prepack` (frozen models only, such as the target): the lean forward runs on prepacked weights
-    (models.lean.prepacked) where the device allows.
+    `packed_from` (frozen models only, such as the target): passes of at least this many tokens run on
+    prepacked matrices where the device allows (models.lean.LeanDecoder; None: none do).
 
     Both run `forward(input_ids (batch, Q), positions (batch, Q), mask (batch, 1, Q, cache + Q) | None,
     cache, lengths=None, packed_index=None) -> hidden (batch, Q, hidden_size)` over a cache from their
     `new_cache(rows)`.
     """
     if lean and LeanDecoder.supports(model):
-        return LeanDecoder(model, prepack=prepack)
+        return LeanDecoder(model, packed_from=packed_from)
     return TransformersDecoder(model)
+
+
+TARGET_PRODUCTS_ENV = "D3D_PRUNE_TARGET_PRODUCTS"  # one of PRODUCTS: fixes target_runner's choice
+# How a target's products run, by name: LeanDecoder's `packed_from` (prepacked from that many tokens on).
+PRODUCTS = {"packed": 1, "mixed": 2, "plain": None}
+# frozen target -> its `packed_from`, measured once per model
+_TARGET_PACKED_FROM: "weakref.WeakKeyDictionary[torch.nn.Module, int | None]" = weakref.WeakKeyDictionary()
+
+
+def target_runner(model: torch.nn.Module, lean: bool = True):
+    """The runner of a frozen target (`decoder_runner`), its products prepacked or plain, for one-token
+    steps and for wider passes each, whichever runs faster on this machine.
+
+    Which is faster depends on the CPU, the dtype and the tokens (models.lean.stacked): on 2 AVX2 EPYC cores
+    prepacked float32 products ran a one-token step 1.6x faster than `F.linear`; on 2 AVX-512 Xeon cores
+    plain `(in, out)` products ran it 1.3-1.5x faster than prepacked ones in float32 (MKL's matrix-vector
+    path), while from two tokens on prepacked ones were faster. So where both apply, a one-token and a
+    4-token pass of an all-prepacked and an all-plain runner are timed in turn (5 rounds after a warm-up,
+    medians, about two seconds for the demo target); one-token steps get the faster at one token, wider
+    passes the faster at four, for the model's lifetime. Every decoder of the process, `ar` included, then
+    runs the same products. `D3D_PRUNE_TARGET_PRODUCTS` (packed, mixed or plain) fixes the choice instead.
+    """
+    if not (lean and LeanDecoder.supports(model)):
+        return decoder_runner(model, lean)
+    weight = next(model.parameters())
+    if not can_prepack(weight.device, weight.dtype):
+        return LeanDecoder(model)
+    if model not in _TARGET_PACKED_FROM:
+        _TARGET_PACKED_FROM[model] = _packed_from(model)
+    return LeanDecoder(model, packed_from=_TARGET_PACKED_FROM[model])
+
+
+def target_products(model: torch.nn.Module) -> str | None:
+    """The name in PRODUCTS of what `target_runner` chose for `model`; None before it chose (or where only
+    one form applies)."""
+    if model not in _TARGET_PACKED_FROM:
+        return None
+    return next(name for name, packed_from in PRODUCTS.items() if packed_from == _TARGET_PACKED_FROM[model])
+
+
+def _packed_from(model: torch.nn.Module) -> int | None:
+    """The `packed_from` that runs `model`'s passes fastest (see `target_runner`)."""
+    fixed = os.environ.get(TARGET_PRODUCTS_ENV)
+    if fixed:
+        if fixed not in PRODUCTS:
+            raise ConfigError(f"{TARGET_PRODUCTS_ENV}={fixed!r}; use {', '.join(PRODUCTS)}, or unset it")
+        return PRODUCTS[fixed]
+    runners = {"packed": LeanDecoder(model, packed_from=1), "plain": LeanDecoder(model, packed_from=None)}
+    device = next(model.parameters()).device
+    context = torch.arange(64, device=device)[None] % model.config.vocab_size
+    caches = {}
+    samples = {(name, width): [] for name in runners for width in (1, 4)}
+    with torch.inference_mode():
+        for name, runner in runners.items():
+            caches[name] = runner.new_cache(1)
+            runner.forward(context, torch.arange(64, device=device)[None], None, caches[name])
+        for round_index in range(6):
+            for name, width in samples:
+                runner = runners[name]
+                start = time.perf_counter()
+                hidden = runner.forward(context[:, :width], torch.arange(64, 64 + width, device=device)[None], None,
+                                        caches[name])
+                runner.logits(hidden)
+                caches[name].crop(64)
+                if round_index:  # the first round warms up
+                    samples[(name, width)].append(time.perf_counter() - start)
+    ms = {key: statistics.median(values) for key, values in samples.items()}
+    if ms[("packed", 1)] < ms[("plain", 1)]:
+        return PRODUCTS["packed"]
+    return PRODUCTS["mixed"] if ms[("packed", 4)] < ms[("plain", 4)] else PRODUCTS["plain"]

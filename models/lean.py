@@ -2,9 +2,9 @@
 
 transformers' modules pay a fixed price per layer (kwargs plumbing, mask preparation, cache objects that
 concatenate on every update) that dominates small models on a CPU: on 2 cores the demo drafter's 36
-layers spent about half of each pass outside matrix products. `LeanDecoder` reads the same weight
-tensors (no copy, so weight updates, merges and removed layers are seen as long as the module objects
-stay) and runs the layers as a plain loop over a preallocated `StaticKV` cache.
+layers spent about half of each pass outside matrix products. `LeanDecoder` runs the layers as a plain
+loop over a preallocated `StaticKV` cache, on matrices derived once from the model's weights (q/k/v and
+gate/up stacked; `(in, out)` or oneDNN-prepacked, whichever the pass's rows run faster: `stacked`).
 
 Supported: Llama, Mistral (no sliding window), Qwen2 and Qwen3 (q/k norms) with plain `nn.Linear`
 projections and the default or scaled RoPE of the model's own rotary module. `LeanDecoder.supports`
@@ -23,17 +23,9 @@ from .cache import StaticKV
 from .transfer import upload
 
 _ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-# model -> {kind: (key, derived weights)} (prepacked, fused), kept between decoders; outside the model so that copies of it (layer
-# surgery deep-copies) neither carry nor share the packs, and dropped with the model.
+# model -> {kind: (key, derived matrices)} (`stacked`, plain or packed), kept between decoders; outside the model so
+# that copies of it (layer surgery deep-copies) neither carry nor share them, and dropped with the model.
 _PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> torch.Tensor:
-    if not packed:
-        return F.linear(x, weight, bias)
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
-    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -48,31 +40,33 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def prepacked(model: torch.nn.Module, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """oneDNN-prepacked copies of `weights`, made once per model and reused while the weights are unchanged.
+def stacked(model: torch.nn.Module, groups: list[tuple[torch.Tensor, ...]], packed: bool) -> list[torch.Tensor]:
+    """One matrix per group of `groups` (`(out, in)` weights stacked along the output dimension), made once
+    per model and reused while the weights are unchanged: oneDNN-prepacked where `packed`, else `(in, out)`
+    contiguous for `torch.mm`.
 
-    A frozen model's matrices (the target's) are read many times a second at 1-16 rows, where a plain
-    GEMM re-packs its operand on every call: measured on 2 AVX2 cores, prepacked products of 1, 4 and 16
-    rows take 0.6x, 0.45x and 0.55x the time of F.linear. The copies double the weights' memory and are
-    rebuilt when any weight is replaced or modified in place: keyed by data pointer, version counter and a
-    sample of its values, because peft merges adapters through `.data`, which moves neither of the first
-    two (a merge changes nearly every value, so the sample sees it).
+    Stacking saves where each product's fixed cost is most of it: q, k and v (and gate and up) read the same
+    input, so one product of the stacked matrix replaces three (two). Of the two forms, which is faster
+    depends on the rows and the CPU (measured on 2 AVX-512 cores, the demo target's 30 layers of products):
+    `torch.mm` on `(in, out)` takes MKL's matrix-vector path at one row, 22.8 ms against 35.3 ms prepacked,
+    but repacks the matrix on every call from two rows on (35.6 / 38.8 / 44.8 ms at 2 / 4 / 8 rows) where
+    prepacked products do not (35.7 / 36.7 / 38.3 ms); on 2 AVX2 EPYC cores prepacked products ran 1, 4 and
+    16 rows in 0.6x, 0.45x and 0.55x the time of `F.linear`. So the lean forward holds the forms it uses and
+    picks one per product by its rows (`LeanDecoder`, `packed_from`).
+
+    The copies are keyed by data pointer, version counter and a sample of the values (peft merges adapters
+    through `.data`, which moves neither of the first two; a merge changes nearly every value, so the sample
+    sees it) and rebuilt when any weight changes; they double the weights' memory per form.
     """
-    return _derived(model, "packed", weights, lambda: [torch.ops.mkldnn._reorder_linear_weight(w, None)
-                                                        for w in weights])
-
-
-def fused(model: torch.nn.Module, groups: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
-    """One matrix per group of `groups`, its members stacked along the output dimension, made once per
-    model and reused like `prepacked`: q, k and v (and gate and up) read the same input, and one product
-    of the stacked matrix costs less than three (two) small ones where each product's fixed cost is most of
-    it (the demo drafter's 192-wide layers on a CPU). None where a group holds None (no biases)."""
-    flat = [w for group in groups for w in group if w is not None]
+    flat = [w for group in groups for w in group]
 
     def build():
-        return [None if any(w is None for w in group) else torch.cat(group) for group in groups]
+        matrices = [torch.cat(group) if len(group) > 1 else group[0] for group in groups]
+        if packed:
+            return [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in matrices]
+        return [w.t().contiguous() for w in matrices]
 
-    return _derived(model, "fused", flat, build)
+    return _derived(model, "packed" if packed else "plain", flat, build)
 
 
 def _derived(model: torch.nn.Module, kind: str, weights: list[torch.Tensor], build) -> list:
@@ -93,49 +87,59 @@ def _sample_sum(weight: torch.Tensor) -> float:
     return float(flat[:: max(1, flat.numel() // 64)].sum())
 
 
+class _Matrix(NamedTuple):
+    """One product's weights in the forms the lean forward runs it (see `stacked`): `plain` `(in, out)` for
+    `torch.mm`, `packed` oneDNN-prepacked, each None where unused; `bias` `(out,)` or None."""
+
+    plain: torch.Tensor | None
+    packed: torch.Tensor | None
+    bias: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, packed_from: int | None) -> torch.Tensor:
+        """`x @ W.T + bias` for tokens `x` `(*tokens, in)` -> `(*tokens, out)`: prepacked from `packed_from`
+        rows on (None: never), plain below."""
+        rows = x.reshape(-1, x.shape[-1])
+        if self.packed is not None and packed_from is not None and rows.shape[0] >= packed_from:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        elif self.bias is None:
+            out = torch.mm(rows, self.plain)
+        else:
+            out = torch.addmm(self.bias, rows, self.plain)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
 class _Layer(NamedTuple):
-    """One decoder layer's tensors (biases and q/k norms None where the architecture has none)."""
+    """One decoder layer's tensors as the lean forward runs them."""
 
-    input_norm: torch.Tensor
-    wq: torch.Tensor
-    bq: torch.Tensor | None
-    wk: torch.Tensor
-    bk: torch.Tensor | None
-    wv: torch.Tensor
-    bv: torch.Tensor | None
-    wo: torch.Tensor
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
+    input_norm: torch.Tensor  # (hidden,)
+    qkv: _Matrix  # q, k and v stacked: hidden -> (heads + 2 kv_heads) * head_dim
+    qk_norm: torch.Tensor | None  # (heads + kv_heads, head_dim): q_norm per q head, then k_norm per k head
+    o: _Matrix
     post_norm: torch.Tensor
-    w_gate: torch.Tensor
-    w_up: torch.Tensor
-    w_down: torch.Tensor
-    # Stacked copies (see `fused`): q, k, v rows then gate, up rows; None when the layer runs them apart.
-    w_qkv: torch.Tensor | None = None
-    b_qkv: torch.Tensor | None = None
-    w_gate_up: torch.Tensor | None = None
-
-    @classmethod
-    def of(cls, layer: torch.nn.Module) -> "_Layer":
-        attn, mlp = layer.self_attn, layer.mlp
-        return cls(
-            layer.input_layernorm.weight,
-            attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias,
-            attn.v_proj.weight, attn.v_proj.bias, attn.o_proj.weight,
-            attn.q_norm.weight if hasattr(attn, "q_norm") else None,
-            attn.k_norm.weight if hasattr(attn, "k_norm") else None,
-            layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
-        )
+    gate_up: _Matrix  # gate and up stacked: hidden -> 2 * intermediate
+    down: _Matrix
 
 
-MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the _Layer fields that prepacking replaces
+def _products(module: torch.nn.Module) -> list[tuple[tuple[torch.Tensor, ...], tuple]]:
+    """The layer's products as (weights stacked into one matrix, their biases), in `_Layer` order: qkv, o,
+    gate_up, down."""
+    attn, mlp = module.self_attn, module.mlp
+    return [((attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
+             (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)),
+            ((attn.o_proj.weight,), (None,)),
+            ((mlp.gate_proj.weight, mlp.up_proj.weight), (None, None)),
+            ((mlp.down_proj.weight,), (None,))]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm of `x` over its last dimension, scaled by `weight` `(width,)`, or `(..., width)` where rows of
+    `x` have weights of their own (stacked q and k heads)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         # torch's fused kernel: bit-identical to the steps below in float32 (checked on every shape the
         # lean forward uses), one operation instead of seven.
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        if weight.dim() == 1:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -153,14 +157,20 @@ class LeanDecoder:
 
     Args:
         model: a `*ForCausalLM` whose `model_type` is llama, mistral, qwen2 or qwen3 (see `supports`).
-        prepack: run the products on oneDNN-prepacked copies of the weights (`prepacked`; CPU only, and
-            only for frozen models such as the target). The lm_head is prepacked either way where the
-            device allows: it is the one large matrix of a small drafter, read at a few rows per pass
-            (17 rows of the demo drafter's 49216 x 192 head: 13.0 -> 7.6 ms on one AVX2 core), while
-            its small layer products gain nothing from packing.
+        packed_from: the products of a pass of at least this many rows (tokens of all rows together) run
+            on oneDNN-prepacked matrices, smaller ones on plain `(in, out)` matrices (see `stacked`): 1
+            prepacks every product, 2 all but one-token steps, None none. CPU only (ignored where
+            `can_prepack` is false), and only for frozen models such as the target
+            (models.inference.target_runner chooses it). The lm_head is prepacked from two rows on whatever
+            `packed_from` says where the device allows: it is the one large matrix of a small drafter,
+            read at 17 rows and more per pass (the demo drafter's 49216 x 192 head: 13.0 -> 7.6 ms on one
+            AVX2 core), while the drafter's small layer products gain nothing from packing.
+
+    The matrices are derived from the model's weights when the decoder is built (`stacked`, cached per
+    model): weights changed afterwards are not seen; build a new LeanDecoder.
     """
 
-    def __init__(self, model: torch.nn.Module, prepack: bool = False):
+    def __init__(self, model: torch.nn.Module, packed_from: int | None = None):
         if not self.supports(model):
             raise ValueError(f"{type(model).__name__} is not supported by the lean forward")
         self.model = model
@@ -171,31 +181,39 @@ class LeanDecoder:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scale = self.head_dim**-0.5
+        self.group = self.num_heads // self.num_kv_heads
         self.embed = model.model.embed_tokens.weight
         self.final_norm = model.model.norm.weight
         self.rotary = model.model.rotary_emb
-        self.layers = [_Layer.of(layer) for layer in model.model.layers]
         self.device = self.embed.device
         self.dtype = self.embed.dtype
-        self.head_packed = can_prepack(self.device, self.dtype)
-        self.packed = prepack and self.head_packed
-        self.head_weight = model.lm_head.weight
-        flat = [getattr(layer, name) for layer in self.layers for name in MATRICES] if self.packed else []
-        if not self.packed:
-            self.layers = self._fuse(model, self.layers)
-        if self.head_packed:
-            packed = iter(prepacked(model, flat + [self.head_weight]))
-            self.layers = [layer._replace(**{name: next(packed) for name in MATRICES}) for layer in self.layers
-                           ] if self.packed else self.layers
-            self.head_weight = next(packed)
+        can_pack = can_prepack(self.device, self.dtype)
+        self.packed_from = packed_from if can_pack else None
+        self.layers = self._layers(model)
+        head = model.lm_head.weight
+        self.head = _Matrix(None, stacked(model, [(head,)], packed=True)[0] if can_pack else None)
+        self.head_packed_from = min(self.packed_from or 2, 2) if can_pack else None
 
-    @staticmethod
-    def _fuse(model: torch.nn.Module, layers: list[_Layer]) -> list[_Layer]:
-        """`layers` with stacked q/k/v and gate/up matrices (`fused`). Like the lm_head pack, they are made
-        when the decoder is built: weights changed afterwards are not seen (build a new LeanDecoder)."""
-        groups = [group for w in layers for group in ((w.wq, w.wk, w.wv), (w.bq, w.bk, w.bv), (w.w_gate, w.w_up))]
-        stacked = iter(fused(model, groups))
-        return [w._replace(w_qkv=next(stacked), b_qkv=next(stacked), w_gate_up=next(stacked)) for w in layers]
+    def _layers(self, model: torch.nn.Module) -> list[_Layer]:
+        """The model's layers with their products in the forms `packed_from` uses (`stacked`) and the q/k
+        norms stacked per head."""
+        products = [product for layer in model.model.layers for product in _products(layer)]
+        groups = [weights for weights, _ in products]
+        plain = stacked(model, groups, packed=False) if self.packed_from != 1 else [None] * len(groups)
+        packed = stacked(model, groups, packed=True) if self.packed_from is not None else [None] * len(groups)
+        matrices = iter(_Matrix(p, q, None if any(b is None for b in biases) else torch.cat(biases).detach())
+                        for p, q, (_, biases) in zip(plain, packed, products))
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        layers = []
+        for module in model.model.layers:
+            attn = module.self_attn
+            qk_norm = None
+            if hasattr(attn, "q_norm"):
+                qk_norm = torch.cat([attn.q_norm.weight.detach().expand(heads, head_dim),
+                                     attn.k_norm.weight.detach().expand(kv_heads, head_dim)])
+            layers.append(_Layer(module.input_layernorm.weight, next(matrices), qk_norm, next(matrices),
+                                 module.post_attention_layernorm.weight, next(matrices), next(matrices)))
+        return layers
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -222,9 +240,14 @@ class LeanDecoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's logits for `hidden` `(..., hidden_size)`."""
-        if self.head_packed:
-            return _linear(hidden.contiguous(), self.head_weight, None, True)
-        return self.model.lm_head(hidden)
+        rows = hidden.numel() // hidden.shape[-1]
+        if self.head.packed is not None and rows >= self.head_packed_from:
+            return self.head(hidden.contiguous(), self.head_packed_from)
+        if self.device.type != "cpu":
+            return self.model.lm_head(hidden)
+        if self.head.plain is None:  # made on first use: only a target's one-token steps read it
+            self.head = self.head._replace(plain=stacked(self.model, [(self.model.lm_head.weight,)], packed=False)[0])
+        return self.head(hidden, None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                 cache: StaticKV, lengths: list[int] | None = None,
@@ -257,48 +280,58 @@ class LeanDecoder:
         if causal and start > 0:
             mask = _causal_mask(q_len, start, hidden.dtype, hidden.device)
             causal = False
+        # Grouped-query heads folded onto their key/value head (see `_attend`) see the mask once per head.
+        folded = self.group if self.group > 1 and not causal else 1
+        attend_mask = mask.repeat(1, 1, folded, 1) if folded > 1 and mask is not None else mask
+        packed_from = self.packed_from
         for index, w in enumerate(self.layers):
             attn = self._attention(index, w, _rms_norm(hidden, w.input_norm, self.eps), cos, sin, ragged,
-                                   mask, causal, cache)
-            hidden = hidden + _linear(attn, w.wo, None, self.packed)
-            hidden = hidden + self._mlp(w, _rms_norm(hidden, w.post_norm, self.eps))
+                                   attend_mask, causal, folded, cache)
+            hidden = hidden + w.o(attn, packed_from)
+            x = _rms_norm(hidden, w.post_norm, self.eps)
+            gate, up = w.gate_up(x, packed_from).chunk(2, dim=-1)  # SwiGLU
+            hidden = hidden + w.down(F.silu(gate) * up, packed_from)
         cache.advance(q_len)
         return ragged.unpack(_rms_norm(hidden, self.final_norm, self.eps))
 
-    def _mlp(self, w: _Layer, x: torch.Tensor) -> torch.Tensor:
-        """SwiGLU MLP of tokens `x` `(*tokens, hidden_size)` -> `(*tokens, hidden_size)`."""
-        if w.w_gate_up is not None:
-            gate, up = _linear(x, w.w_gate_up, None, False).chunk(2, dim=-1)
-        else:
-            gate, up = _linear(x, w.w_gate, None, self.packed), _linear(x, w.w_up, None, self.packed)
-        return _linear(F.silu(gate) * up, w.w_down, None, self.packed)
-
     def _attention(self, index: int, w: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   ragged: "_Ragged", mask: torch.Tensor | None, causal: bool, cache: StaticKV) -> torch.Tensor:
+                   ragged: "_Ragged", mask: torch.Tensor | None, causal: bool, folded: int,
+                   cache: StaticKV) -> torch.Tensor:
         """Self-attention of layer `index` for tokens `x` `(*tokens, hidden_size)` (packed or padded as
-        `ragged` says); returns `(*tokens, heads * head_dim)`, before the output projection."""
+        `ragged` says); returns `(*tokens, heads * head_dim)`, before the output projection. `mask` is the
+        pass's mask repeated `folded` times along the query dimension (see `_attend`)."""
         tokens = x.shape[:-1]
-        if w.w_qkv is not None:
-            kv_width = self.num_kv_heads * self.head_dim
-            q, k, v = _linear(x, w.w_qkv, w.b_qkv, False).split(
-                [self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
-        else:
-            q, k, v = (_linear(x, weight, bias, self.packed) for weight, bias in ((w.wq, w.bq), (w.wk, w.bk),
-                                                                                (w.wv, w.bv)))
-        q = q.reshape(*tokens, self.num_heads, self.head_dim)
-        k = k.reshape(*tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(*tokens, self.num_kv_heads, self.head_dim)
-        if w.q_norm is not None:
-            q, k = _rms_norm(q, w.q_norm, self.eps), _rms_norm(k, w.k_norm, self.eps)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qk, v = w.qkv(x, self.packed_from).split([(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1)
+        qk = qk.reshape(*tokens, heads + kv_heads, head_dim)
+        # q and k normalised (each head by its own weights) and rotated together: one operation each
+        # instead of one per tensor
+        if w.qk_norm is not None:
+            qk = _rms_norm(qk, w.qk_norm, self.eps)
+        q, k = _rotate(qk, cos, sin).split([heads, kv_heads], dim=-2)
+        v = v.reshape(*tokens, kv_heads, head_dim)
         # Attention needs the rows' (batch, heads, Q, head_dim) layout; the cache stores every slot.
         q, k, v = (ragged.unpack(t).transpose(1, 2) for t in (q, k, v))
         keys, values = cache.write(index, k, v)
-        attn = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return ragged.pack(attn.transpose(1, 2)).flatten(-2)
+        return ragged.pack(self._attend(q, keys, values, mask, causal, folded).transpose(1, 2)).flatten(-2)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                causal: bool, folded: int) -> torch.Tensor:
+        """Attention of queries `q` `(batch, heads, Q, head_dim)` over the cached `keys`/`values`
+        `(batch, kv_heads, length, head_dim)` -> `(batch, heads, Q, head_dim)`.
+
+        With `folded` > 1 (grouped-query attention, `folded` = heads per key/value head) the queries of the
+        heads that share a key/value head run as one head of `folded * Q` queries, under the mask repeated
+        to match: one attention problem per key/value head instead of one per query head, the same
+        arithmetic (measured at 19 queries over 320 keys, 3 heads on 1: 54 against 76 us per call).
+        """
+        if folded == 1:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale,
+                                                  enable_gqa=self.num_heads != self.num_kv_heads)
+        batch, _, q_len, head_dim = q.shape
+        grouped = q.reshape(batch, self.num_kv_heads, folded * q_len, head_dim)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=self.scale)
+        return out.reshape(batch, self.num_heads, q_len, head_dim)
 
 
 class _Ragged:

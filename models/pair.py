@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from .drafter import load_drafter, validate_checkpoint
+from .precision import drafter_dtype
 from .target import check_pair, load_target, load_tokenizer, target_config_of
 
 
@@ -31,20 +32,26 @@ def load_pair(
     target_path: str | os.PathLike,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    drafter_compute: str | torch.dtype | None = "auto",
 ) -> Pair:
-    """Validate both checkpoints and their compatibility before loading any weights, then load them."""
+    """Validate both checkpoints and their compatibility before loading any weights, then load them.
+
+    `dtype` is the target's compute dtype; `drafter_compute` the drafter's (models.precision.drafter_dtype:
+    "auto" is float32 on a CPU and `dtype` elsewhere)."""
     drafter_config = validate_checkpoint(drafter_dir)
     target_config = target_config_of(target_path)
     tokenizer = load_tokenizer(target_path)
     drafter_tokenizer = load_tokenizer(drafter_dir)
     check_pair(drafter_config, target_config, drafter_tokenizer, tokenizer)
     target = load_target(target_path, dtype, device)
-    return _with_drafter(target, drafter_dir, tokenizer, drafter_tokenizer, dtype, device)
+    return _with_drafter(target, drafter_dir, tokenizer, drafter_tokenizer,
+                         drafter_dtype(drafter_compute, dtype, torch.device(device)), device)
 
 
-def pair_with_target(drafter_dir: str | os.PathLike, target: torch.nn.Module, tokenizer=None) -> Pair:
-    """A pair around an already-loaded target (set to eval mode); the drafter loads in the target's dtype
-    and on its device.
+def pair_with_target(drafter_dir: str | os.PathLike, target: torch.nn.Module, tokenizer=None,
+                     drafter_compute: str | torch.dtype | None = "auto") -> Pair:
+    """A pair around an already-loaded target (set to eval mode); the drafter loads on its device, in
+    `drafter_compute` as `load_pair` reads it (auto: float32 on a CPU, the target's dtype elsewhere).
 
     Args:
         tokenizer: the target's tokenizer; None uses the drafter folder's tokenizer files (exported drafters
@@ -54,7 +61,8 @@ def pair_with_target(drafter_dir: str | os.PathLike, target: torch.nn.Module, to
     drafter_tokenizer = load_tokenizer(drafter_dir)
     check_pair(drafter_config, target.config, drafter_tokenizer, tokenizer)
     weight = next(target.parameters())
-    return _with_drafter(target.eval(), drafter_dir, tokenizer, drafter_tokenizer, weight.dtype, weight.device)
+    return _with_drafter(target.eval(), drafter_dir, tokenizer, drafter_tokenizer,
+                         drafter_dtype(drafter_compute, weight.dtype, weight.device), weight.device)
 
 
 def _with_drafter(target, drafter_dir, tokenizer, drafter_tokenizer, dtype, device) -> Pair:

@@ -6,6 +6,13 @@ float32 (measured on an AVX2-only EPYC: 5-9x for 16-token products). So `auto` t
 that reports one of those instruction sets and on a GPU that supports it, float32 elsewhere.
 `D3D_PRUNE_AUTO_DTYPE` (float32, bfloat16 or float16) overrides the choice, e.g. for a test suite that
 must run float32 on every machine.
+
+The drafter need not compute in the target's dtype: greedy output is the target's whatever the drafter's
+numbers, so only speed and acceptance depend on it. On a CPU a small drafter's pass is bound by the fixed
+cost of each of its many small operations, which bfloat16 raises (conversions, unfused norms): the demo
+drafter's sync-draft pass took 1.14-1.37x as long in bfloat16 as in float32 on 2 AVX512-BF16 cores, right
+after a bfloat16 target pass as in decoding. So `auto` gives a drafter float32 on a CPU and the target's
+dtype elsewhere (`drafter_dtype`).
 """
 
 import os
@@ -53,3 +60,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if name not in DTYPE_NAMES:
         raise ConfigError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPE_NAMES)} or a torch dtype")
     return getattr(torch, name)
+
+
+def drafter_dtype(dtype: str | torch.dtype | None, target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The drafter's compute dtype: `dtype` as `resolve_dtype` reads it, or for "auto" (and None) float32 on
+    a CPU and `target_dtype` elsewhere (see the module docstring)."""
+    if dtype is not None and dtype != "auto":
+        return resolve_dtype(dtype, device)
+    return torch.float32 if device.type == "cpu" else target_dtype

@@ -76,10 +76,12 @@ def trajectory_key(target, prompts: list[list[int]], decode) -> str:
 def pass_times_key(drafter, target, decode) -> str:
     """The key of the pair's measured pass times: both models with their dtypes and devices, the threads, the
     decoder settings that shape the passes and the machine (its GPU's name where the target is on one). v4:
-    the ar step is read off the verify line (decode.timing.verify_line), so older records are measured again."""
+    the ar step is read off the verify line (decode.timing.verify_line); v5: the lean forward's stacked
+    products (models.lean.stacked) and the target's measured choice of them changed every pass time. Older
+    records are measured again."""
     device = next(target.parameters()).device
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    return fingerprint("pass-times v4", *model_identity(drafter), *model_identity(target), torch.get_num_threads(),
+    return fingerprint("pass-times v5", *model_identity(drafter), *model_identity(target), torch.get_num_threads(),
                        decode.packed_budget, decode.draft_threads, decode.block_size, platform.machine(),
                        platform.processor(), gpu, torch.__version__)
 

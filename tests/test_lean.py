@@ -1,6 +1,7 @@
 """The lean forward (models/lean.py) against transformers, its static cache, and the new decoder settings:
 adaptive verify width, split threads, lean against transformers' forward - all exact against ar."""
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -13,8 +14,10 @@ from decode.cost import CandidatePolicy, WidthPolicy
 from decode.decoders import DecodeConfig, decode_ar, decode_speculative
 from decode.engine import DraftEngine
 from decode.verifiers import LiveVerifier, ReplayVerifier
-from models.inference import TransformersDecoder, decoder_runner
-from models.lean import LeanDecoder
+from models.errors import ConfigError
+from models.inference import (PRODUCTS, TARGET_PRODUCTS_ENV, TransformersDecoder, decoder_runner,
+                               target_products, target_runner)
+from models.lean import LeanDecoder, can_prepack
 from models.masks import BlockSpec, batch_layouts, block_layout
 
 
@@ -122,7 +125,8 @@ ADAPTIVE = WidthPolicy(slope=0.08, fixed=0.5)
 FEW_CANDIDATES = CandidatePolicy(slope=0.08, draft=0.5, packed_fixed=0.4, packed_per_token=0.006, contention=0.9)
 
 
-@pytest.mark.parametrize("setting", ["adaptive width", "one draft thread", "transformers forward", "few candidates"])
+@pytest.mark.parametrize("setting", ["adaptive width", "one draft thread", "transformers forward", "few candidates",
+                                     "bfloat16 drafter"])
 @pytest.mark.parametrize("prompt_len", [3, 30])
 def test_new_settings_are_exact_against_ar(setting, prompt_len):
     target, drafter = trained_drafter()
@@ -135,6 +139,8 @@ def test_new_settings_are_exact_against_ar(setting, prompt_len):
         config = replace(config, draft_threads=1)
     elif setting == "few candidates":
         config = replace(config, candidate_policy=FEW_CANDIDATES)
+    elif setting == "bfloat16 drafter":  # the output is the float32 target's, whatever the drafter computes in
+        drafter = copy.deepcopy(drafter).to(torch.bfloat16)
     lean = setting != "transformers forward"
     for decoder in ("sync", "async"):
         verifier = LiveVerifier(target, lean=lean)
@@ -204,7 +210,7 @@ def test_stacked_products_are_rebuilt_when_a_weight_changes():
     model = build_tiny_drafter(block_size=4)
     ids, positions = torch.tensor([prompt_ids(7, seed=2)]), torch.arange(7)[None]
     lean = LeanDecoder(model)
-    assert all(w.w_qkv is not None and w.w_gate_up is not None for w in lean.layers)
+    assert all(w.qkv.plain is not None and w.gate_up.plain is not None for w in lean.layers)
     before = lean.forward(ids, positions, None, lean.new_cache(1))
     model.model.layers[0].self_attn.k_proj.weight.data.mul_(3.0)
     model.model.layers[1].mlp.up_proj.weight.data.add_(0.5)
@@ -212,3 +218,47 @@ def test_stacked_products_are_rebuilt_when_a_weight_changes():
     want = model.model(input_ids=ids, position_ids=positions).last_hidden_state
     torch.testing.assert_close(after, want, atol=1e-5, rtol=1e-5)
     assert (after - before).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("packed_from", [None, 1, 2])
+@pytest.mark.parametrize("name", MODELS)
+@torch.inference_mode()
+def test_prepacked_plain_and_mixed_products_match_transformers(name, packed_from):
+    """Every form of the products (`packed_from`: none, all, from two tokens on) computes the model:
+    prefill, one-token steps and a wider pass, logits included."""
+    model = MODELS[name]()
+    lean = LeanDecoder(model, packed_from=packed_from)
+    ids = torch.tensor([prompt_ids(12, seed=4)])
+    positions = torch.arange(12)[None]
+    want = model(input_ids=ids, position_ids=positions).logits
+    cache = lean.new_cache(1)
+    hidden = torch.cat([lean.forward(ids[:, :6], positions[:, :6], None, cache),
+                        lean.forward(ids[:, 6:7], positions[:, 6:7], None, cache),
+                        lean.forward(ids[:, 7:], positions[:, 7:], None, cache)], dim=1)
+    got = torch.cat([lean.logits(hidden[:, :6]), lean.logits(hidden[:, 6:7]), lean.logits(hidden[:, 7:])], dim=1)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    packs = can_prepack(torch.device("cpu"), torch.float32)
+    for layer in lean.layers:
+        assert (layer.qkv.packed is not None) == (packs and packed_from is not None)
+        assert (layer.qkv.plain is not None) == (not packs or packed_from != 1)
+
+
+@pytest.mark.parametrize("fixed", list(PRODUCTS))
+def test_the_target_products_are_chosen_once_or_fixed_by_the_environment(fixed, monkeypatch):
+    model = tiny_target()
+    weight = next(model.parameters())
+    if not can_prepack(weight.device, weight.dtype):
+        pytest.skip("oneDNN cannot prepack here: the target runs plain products only")
+    monkeypatch.setenv(TARGET_PRODUCTS_ENV, fixed)
+    assert target_products(model) is None
+    runner = target_runner(model)
+    assert runner.packed_from == PRODUCTS[fixed] and target_products(model) == fixed
+    monkeypatch.setenv(TARGET_PRODUCTS_ENV, "plain" if fixed != "plain" else "packed")
+    assert target_runner(model).packed_from == PRODUCTS[fixed]  # chosen once per model
+    monkeypatch.setenv(TARGET_PRODUCTS_ENV, "fast")
+    with pytest.raises(ConfigError, match="D3D_PRUNE_TARGET_PRODUCTS='fast'; use packed, mixed, plain"):
+        target_runner(tiny_target())
+    monkeypatch.delenv(TARGET_PRODUCTS_ENV)
+    measured = tiny_target()
+    assert target_runner(measured).packed_from in PRODUCTS.values()  # timed: any of the three
+    assert target_products(measured) in PRODUCTS

@@ -70,6 +70,10 @@ def add_model_args(parser, target: bool = True, several_drafters: bool = False) 
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                         help="weights and compute dtype; auto: bfloat16 where the device computes it natively "
                         "(AMX / AVX512-BF16 CPUs, GPUs), float32 elsewhere")
+    parser.add_argument("--drafter-dtype", choices=("auto", *DTYPES), default="auto",
+                        help="the drafter's compute dtype (the output is the target's whatever it is); auto: "
+                        "float32 on a CPU, where a small drafter's many small operations run slower in bfloat16, "
+                        "--dtype elsewhere")
     parser.add_argument("--device", default="cpu", type=_types.device, help="torch device: cpu, cuda, cuda:1, ...")
 
 
@@ -333,7 +337,8 @@ def load_pair_and_prompts(args):
     records, source = prompt_records(args)
     drafter_dir, target_path = model_paths(args)
     warn_training_overlap(drafter_dir, records, source)
-    pair = load_pair(drafter_dir, target_path, dtype, device)
+    pair = load_pair(drafter_dir, target_path, dtype, device, args.drafter_dtype)
+    args.drafter_dtype = str(next(pair.drafter.parameters()).dtype).replace("torch.", "")
     prompts = tokenize_records(records, pair.tokenizer, not args.no_chat_template)
     check_context(prompts, args.max_new_tokens, pair.drafter.config.block_size, pair.max_positions)
     return pair, prompts, drafter_dir, target_path, source

@@ -23,10 +23,8 @@ from ._common import (
     load_pair_and_prompts,
     model_paths,
     output_file,
-    resolve_device,
     show_progress,
     stdout_console,
-    torch_dtype,
     write_json,
 )
 
@@ -177,7 +175,8 @@ def load_models_and_prompts(args):
     pair, prompts, first_dir, target_path, source = load_pair_and_prompts(first_args)
     drafters = [(first_dir, pair.drafter)]
     for folder in others:
-        drafter = load_drafter(folder, torch_dtype(args.dtype), resolve_device(args.device))
+        weight = next(pair.drafter.parameters())  # every drafter computes as the first does
+        drafter = load_drafter(folder, weight.dtype, weight.device)
         positions = min(pair.max_positions, getattr(drafter.config, "max_position_embeddings", pair.max_positions))
         check_context(prompts, args.max_new_tokens, drafter.config.block_size, positions)
         drafters.append((folder, drafter))
