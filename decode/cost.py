@@ -3,7 +3,10 @@
 Inputs are wall times (ms) of single passes measured on the device that decodes (decode/timing.py):
 
     ar_ms          a target pass of one token (an ar step)
-    verify_ms(W)   a target pass of W tokens, modelled as ar_ms + per_token_ms x (W - 1)
+    verify_ms(W)   a target pass of W tokens, modelled as ar_ms + step_ms + per_token_ms x (W - 1) for W >= 2:
+                   a CPU runs a one-token step on its matrix-vector path, and any wider pass on its
+                   matrix-matrix path, which costs a step more (measured on 2 AVX-512 cores with the demo
+                   target: 43 ms at one token, 59 / 64 / 77 / 92 ms at 2 / 4 / 8 / 16)
     draft_ms       a drafter pass that drafts one block (sync draft, async fallback)
     packed_ms      the async packed pass (chain + candidate blocks)
     contention     how much of the shorter pass the concurrent async round still pays: when verify and
@@ -42,6 +45,8 @@ class PassTimes:
         draft_tokens, packed_tokens: query tokens of the measured draft and packed passes; between them
             a packed pass's time is modelled as affine in its tokens (None: every packed pass costs
             packed_ms).
+        step_ms: extra target time of any pass of two tokens or more over a one-token step (>= 0; 0 in
+            records measured before it was).
     """
 
     ar_ms: float
@@ -51,10 +56,12 @@ class PassTimes:
     contention: float = 0.0
     draft_tokens: int | None = None
     packed_tokens: int | None = None
+    step_ms: float = 0.0
 
     def verify_ms(self, width: float) -> float:
-        """Target pass of `width` tokens (fractional widths: the mean width of a run)."""
-        return self.ar_ms + self.per_token_ms * max(0.0, width - 1)
+        """Target pass of `width` tokens (fractional widths: the mean width of a run, always >= 2 where a
+        drafter verifies)."""
+        return self.ar_ms + (self.step_ms if width > 1 else 0.0) + self.per_token_ms * max(0.0, width - 1)
 
     def together_ms(self, verify_ms: float, packed_ms: float) -> float:
         """Wall time of a verify pass and a packed pass run concurrently."""
@@ -72,7 +79,9 @@ class PassTimes:
         return dataclasses.replace(self, draft_ms=draft_ms, packed_ms=packed_ms)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as a dict; a zero step_ms is left out, so a record saved before it existed writes back
+        the same (campaign states, cache keys)."""
+        return {k: v for k, v in asdict(self).items() if k != "step_ms" or v}
 
 
 @dataclass(frozen=True)
@@ -188,7 +197,7 @@ class WidthPolicy:
 
     Attributes:
         slope: per_token_ms / ar_ms.
-        fixed: draft_ms / ar_ms (the per-round cost that does not grow with W).
+        fixed: (draft_ms + step_ms) / ar_ms (the per-round cost that does not grow with W >= 2).
     """
 
     slope: float
@@ -196,7 +205,8 @@ class WidthPolicy:
 
     @classmethod
     def from_times(cls, times: PassTimes) -> "WidthPolicy":
-        return cls(_two_digits(times.per_token_ms / times.ar_ms), _two_digits(times.draft_ms / times.ar_ms))
+        return cls(_two_digits(times.per_token_ms / times.ar_ms),
+                   _two_digits((times.draft_ms + times.step_ms) / times.ar_ms))
 
     def choose(self, confidences: list[float], max_width: int) -> int:
         """Verify width in 2 .. max_width for drafts with per-slot confidences c_1 .. c_(max_width - 1)."""
@@ -233,6 +243,7 @@ class CandidatePolicy:
         draft: draft_ms / ar_ms.
         packed_fixed, packed_per_token: the packed pass as packed_fixed + packed_per_token x tokens.
         contention: see PassTimes.
+        step: step_ms / ar_ms (what any verify pass of two tokens or more costs over a one-token step).
     """
 
     slope: float
@@ -240,18 +251,19 @@ class CandidatePolicy:
     packed_fixed: float
     packed_per_token: float
     contention: float
+    step: float = 0.0
 
     @classmethod
     def from_times(cls, times: PassTimes) -> "CandidatePolicy":
         base = times.packed_ms_for(0)
         per_token = (times.packed_ms_for(100) - base) / 100
         return cls(*(_two_digits(v / times.ar_ms) for v in (times.per_token_ms, times.draft_ms, base, per_token)),
-                   _two_digits(times.contention))
+                   _two_digits(times.contention), _two_digits(times.step_ms / times.ar_ms))
 
     def round_cost(self, width: int, chain_tokens: int, values: list[float], costs: list[int]) -> float:
         """Expected round time (units of ar_ms) when the packed pass drafts candidates with `values` and
         query-token `costs` after `chain_tokens` chain tokens (none: no packed pass)."""
-        verify = 1.0 + self.slope * (width - 1)
+        verify = 1.0 + self.step + self.slope * (width - 1)
         if not values:
             return verify + self.draft
         packed = self.packed_fixed + self.packed_per_token * (chain_tokens + sum(costs))

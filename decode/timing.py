@@ -121,8 +121,8 @@ def measure_drafters(target, drafters, config: DecodeConfig, repeats: int = 7, c
     measurements of the same drafter on this 2-core machine read 46 and 55 ms for the same step (21
     repeats each), more than the gap between drafters a few layers apart.
 
-    The target's ar step and verify slope are one least-squares line over widths 1, 2, B/4, B/2 and B
-    (B the block size; `verify_line`); contention comes from a verify pass of width B/2 and the packed
+    The target's ar step, the step up to wider passes and their slope come from passes of widths 1, 2,
+    B/4, B/2 and B (B the block size; `verify_line`); contention comes from a verify pass of width B/2 and the packed
     pass run concurrently, as the async decoder runs them (packed pass on the worker thread, cores split
     by `config.draft_threads`).
     """
@@ -149,30 +149,45 @@ def measure_drafters(target, drafters, config: DecodeConfig, repeats: int = 7, c
     verify = functools.partial(target_probe.run, width)
     before = {(index, kind): verify for index in range(len(probes)) for kind in ("draft", "packed")}
     ms = _interleaved_ms(runs, repeats, device, before=before)
-    ar_ms, slope = verify_line({w: ms[w] for w in widths})
+    ar_ms, step, slope = verify_line({w: ms[w] for w in widths})
     times = []
     for index, probe in enumerate(probes):
         alone = (ms[width], ms[(index, "packed")])
         contention = (ms[(index, "together")] - max(alone)) / min(alone) if min(alone) > 0 else 0.0
         times.append(PassTimes(ar_ms, slope, ms[(index, "draft")], ms[(index, "packed")],
-                               min(1.0, max(0.0, contention)), probe.draft_tokens, probe.packed_tokens))
+                               min(1.0, max(0.0, contention)), probe.draft_tokens, probe.packed_tokens, step))
     return times
 
 
-def verify_line(ms_by_width: dict[int, float]) -> tuple[float, float]:
-    """(ar_ms, per_token_ms): the least-squares line ms = ar_ms + per_token_ms x (width - 1) through the
-    median times of verify passes of several widths (per_token_ms >= 0).
+def verify_line(ms_by_width: dict[int, float]) -> tuple[float, float, float]:
+    """(ar_ms, step_ms, per_token_ms) of the target's pass from the median times of verify passes of
+    several widths: ms = ar_ms at width 1 and ar_ms + step_ms + per_token_ms x (width - 1) from width 2 on
+    (decode.cost.PassTimes; step_ms and per_token_ms >= 0).
 
-    The ar step is read off the line rather than off the width-1 pass alone, since every predicted speedup
-    is divided by it: on this project's 2-core machine a single median of 7 width-1 passes read 72.8 ms
-    where the same benchmark's ar decoding ran at 59.1 ms per step, and the predicted speedups came out
-    31 % high although the predicted async rounds were within 6 % of the measured ones. A line through
-    five widths averages such a sample away; where the target's pass is flat in width (a GPU) it is the
-    mean of the five.
+    The wider passes give a least-squares line. On a CPU it lies well above the one-token step, which runs
+    on the matrix-vector path (2 AVX-512 cores, demo target: 43 ms at one token, a line of 56 + 2.3 ms per
+    token from two on): the step is that gap, and a single line through every width, as this was fitted
+    before, read the ar step 20 % high and every predicted speedup with it. Where the one-token step does
+    not lie below the line (a GPU, whose pass is flat in width, or a slow width-1 sample), there is no step
+    and the ar step is read off one line through every width, which averages a single noisy median away:
+    on this project's 2-core machine one median of 7 width-1 passes read 72.8 ms where the same
+    benchmark's ar decoding ran at 59.1 ms per step.
     """
     widths = sorted(ms_by_width)
+    wide = {w: ms for w, ms in ms_by_width.items() if w > 1}
+    if 1 in ms_by_width and len(wide) >= 2:
+        level, slope = _line(wide)
+        if level > ms_by_width[1]:
+            return ms_by_width[1], level - ms_by_width[1], slope
     if len(widths) == 1:
-        return ms_by_width[widths[0]], 0.0
+        return ms_by_width[widths[0]], 0.0, 0.0
+    level, slope = _line(ms_by_width)
+    return level, 0.0, slope
+
+
+def _line(ms_by_width: dict[int, float]) -> tuple[float, float]:
+    """(value at width 1, slope >= 0) of the least-squares line through `ms_by_width`."""
+    widths = sorted(ms_by_width)
     mean_w = sum(widths) / len(widths)
     mean_ms = sum(ms_by_width.values()) / len(widths)
     spread = sum((w - mean_w) ** 2 for w in widths)

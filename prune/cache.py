@@ -77,8 +77,9 @@ def pass_times_key(drafter, target, decode) -> str:
     """The key of the pair's measured pass times: both models with their dtypes and devices, the threads, the
     decoder settings that shape the passes and the machine (its GPU's name where the target is on one). v4:
     the ar step is read off the verify line (decode.timing.verify_line); v5: the lean forward's stacked
-    products (models.lean.stacked) and the target's measured choice of them changed every pass time. Older
-    records are measured again."""
+    products (models.lean.stacked) and the target's measured choice of them changed every pass time, and
+    the target's one-token step is measured apart from wider passes (PassTimes.step_ms). Older records are
+    measured again."""
     device = next(target.parameters()).device
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return fingerprint("pass-times v5", *model_identity(drafter), *model_identity(target), torch.get_num_threads(),

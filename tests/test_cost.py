@@ -120,13 +120,33 @@ def test_the_ar_step_is_read_off_a_line_through_every_verify_width():
     from decode.timing import verify_line
 
     line = {w: 50.0 + 3.0 * (w - 1) for w in (1, 2, 4, 8, 16)}
-    assert verify_line(line) == pytest.approx((50.0, 3.0))
+    assert verify_line(line) == pytest.approx((50.0, 0.0, 3.0))
     # One slow width-1 sample (the ar step read alone) moves the fitted ar step by a fraction of its error.
-    ar_ms, slope = verify_line({**line, 1: 65.0})
-    assert 50.0 < ar_ms < 50.0 + 15.0 / 2 and 0.0 <= slope < 3.0
+    ar_ms, step, slope = verify_line({**line, 1: 65.0})
+    assert 50.0 < ar_ms < 50.0 + 15.0 / 2 and step == 0.0 and 0.0 <= slope < 3.0
     # A pass that gets no slower with width (a GPU): no negative slope, the ar step is the mean.
-    assert verify_line({1: 10.0, 2: 10.5, 4: 9.5, 8: 10.0, 16: 9.0}) == pytest.approx((9.8, 0.0))
-    assert verify_line({1: 42.0}) == (42.0, 0.0)
+    assert verify_line({1: 10.0, 2: 10.5, 4: 9.5, 8: 10.0, 16: 9.0}) == pytest.approx((9.8, 0.0, 0.0))
+    assert verify_line({1: 42.0}) == (42.0, 0.0, 0.0)
+
+
+def test_a_one_token_step_below_the_wider_passes_is_a_step():
+    """A CPU's one-token step (matrix-vector path) under the line of the wider passes: the ar step is the
+    one-token pass itself, every wider pass pays the step, and the cost model, the width policy and the
+    candidate policy all see it."""
+    from decode.cost import CandidatePolicy
+    from decode.timing import verify_line
+
+    measured = {1: 40.0, **{w: 52.0 + 2.0 * (w - 1) for w in (2, 4, 8, 16)}}
+    assert verify_line(measured) == pytest.approx((40.0, 12.0, 2.0))
+    t = times(ar_ms=40.0, per_token_ms=2.0, step_ms=12.0)
+    assert t.verify_ms(1) == 40.0 and t.verify_ms(2) == 54.0 and t.verify_ms(5) == 60.0
+    assert round_ms("sync", t, 5) == 60.0 + 20.0
+    assert speedup_limit(t, tau=3.0, width=5) == pytest.approx(3.0 * 40.0 / 60.0)
+    assert WidthPolicy.from_times(t) == WidthPolicy(slope=0.05, fixed=0.8)  # (20 + 12) / 40 per round
+    policy = CandidatePolicy.from_times(t)
+    assert policy.step == 0.3 and policy.round_cost(5, 1, [], []) == pytest.approx(1.0 + 0.3 + 0.05 * 4 + 0.5)
+    # records measured before the step existed load with none
+    assert PassTimes(**{k: v for k, v in t.to_dict().items() if k != "step_ms"}).verify_ms(5) == 48.0
 
 
 def test_drafters_measured_together_share_one_target_measurement():
