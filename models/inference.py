@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from .cache import DynamicKV
 from .drafter_config import draft_vocab_limit
 from .errors import ConfigError
-from .lean import LeanDecoder, can_prepack
+from .lean import LeanDecoder, can_prepack, forget_unused
 from .masks import BatchedLayout
 
 
@@ -118,6 +118,7 @@ def target_runner(model: torch.nn.Module, lean: bool = True):
         return LeanDecoder(model)
     if model not in _TARGET_PACKED_FROM:
         _TARGET_PACKED_FROM[model] = _packed_from(model)
+        forget_unused(model, _TARGET_PACKED_FROM[model])
     return LeanDecoder(model, packed_from=_TARGET_PACKED_FROM[model])
 
 

@@ -40,10 +40,11 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def stacked(model: torch.nn.Module, groups: list[tuple[torch.Tensor, ...]], packed: bool) -> list[torch.Tensor]:
+def stacked(model: torch.nn.Module, role: str, groups: list[tuple[torch.Tensor, ...]], packed: bool
+            ) -> list[torch.Tensor]:
     """One matrix per group of `groups` (`(out, in)` weights stacked along the output dimension), made once
-    per model and reused while the weights are unchanged: oneDNN-prepacked where `packed`, else `(in, out)`
-    contiguous for `torch.mm`.
+    per model and `role` ("layers", "head") and reused while the weights are unchanged: oneDNN-prepacked
+    where `packed`, else `(in, out)` contiguous for `torch.mm`.
 
     Stacking saves where each product's fixed cost is most of it: q, k and v (and gate and up) read the same
     input, so one product of the stacked matrix replaces three (two). Of the two forms, which is faster
@@ -66,10 +67,18 @@ def stacked(model: torch.nn.Module, groups: list[tuple[torch.Tensor, ...]], pack
             return [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in matrices]
         return [w.t().contiguous() for w in matrices]
 
-    return _derived(model, "packed" if packed else "plain", flat, build)
+    return _derived(model, (role, packed), flat, build)
 
 
-def _derived(model: torch.nn.Module, kind: str, weights: list[torch.Tensor], build) -> list:
+def forget_unused(model: torch.nn.Module, packed_from: int | None) -> None:
+    """Drop the layer matrices of `model` in the form that decoders with `packed_from` never read (a measurement
+    of both forms made them; each is as large as the weights)."""
+    unused = {1: [False], None: [True]}.get(packed_from, [])
+    for packed in unused:
+        _PACKED.get(model, {}).pop(("layers", packed), None)
+
+
+def _derived(model: torch.nn.Module, kind: tuple, weights: list[torch.Tensor], build) -> list:
     """`build()` (tensors derived from `weights`), cached per (model, kind) while `weights` are unchanged."""
     key = tuple((w.data_ptr(), -1 if w.is_inference() else w._version, _sample_sum(w)) for w in weights)
     cached = _PACKED.setdefault(model, {}).get(kind)
@@ -191,7 +200,7 @@ class LeanDecoder:
         self.packed_from = packed_from if can_pack else None
         self.layers = self._layers(model)
         head = model.lm_head.weight
-        self.head = _Matrix(None, stacked(model, [(head,)], packed=True)[0] if can_pack else None)
+        self.head = _Matrix(None, stacked(model, "head", [(head,)], packed=True)[0] if can_pack else None)
         self.head_packed_from = min(self.packed_from or 2, 2) if can_pack else None
 
     def _layers(self, model: torch.nn.Module) -> list[_Layer]:
@@ -199,8 +208,8 @@ class LeanDecoder:
         norms stacked per head."""
         products = [product for layer in model.model.layers for product in _products(layer)]
         groups = [weights for weights, _ in products]
-        plain = stacked(model, groups, packed=False) if self.packed_from != 1 else [None] * len(groups)
-        packed = stacked(model, groups, packed=True) if self.packed_from is not None else [None] * len(groups)
+        plain = stacked(model, "layers", groups, packed=False) if self.packed_from != 1 else [None] * len(groups)
+        packed = stacked(model, "layers", groups, packed=True) if self.packed_from is not None else [None] * len(groups)
         matrices = iter(_Matrix(p, q, None if any(b is None for b in biases) else torch.cat(biases).detach())
                         for p, q, (_, biases) in zip(plain, packed, products))
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -246,7 +255,8 @@ class LeanDecoder:
         if self.device.type != "cpu":
             return self.model.lm_head(hidden)
         if self.head.plain is None:  # made on first use: only a target's one-token steps read it
-            self.head = self.head._replace(plain=stacked(self.model, [(self.model.lm_head.weight,)], packed=False)[0])
+            plain = stacked(self.model, "head", [(self.model.lm_head.weight,)], packed=False)[0]
+            self.head = self.head._replace(plain=plain)
         return self.head(hidden, None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,

@@ -17,6 +17,7 @@ from decode.verifiers import LiveVerifier, ReplayVerifier
 from models.errors import ConfigError
 from models.inference import (PRODUCTS, TARGET_PRODUCTS_ENV, TransformersDecoder, decoder_runner,
                                target_products, target_runner)
+from models import lean
 from models.lean import LeanDecoder, can_prepack
 from models.masks import BlockSpec, batch_layouts, block_layout
 
@@ -260,5 +261,21 @@ def test_the_target_products_are_chosen_once_or_fixed_by_the_environment(fixed, 
         target_runner(tiny_target())
     monkeypatch.delenv(TARGET_PRODUCTS_ENV)
     measured = tiny_target()
-    assert target_runner(measured).packed_from in PRODUCTS.values()  # timed: any of the three
-    assert target_products(measured) in PRODUCTS
+    packed_from = target_runner(measured).packed_from
+    assert packed_from in PRODUCTS.values() and target_products(measured) in PRODUCTS  # timed: any of the three
+    # both forms were built to be timed; the one its decoders never read is dropped
+    kept = {packed for role, packed in lean._PACKED[measured] if role == "layers"}
+    assert kept == {1: {True}, 2: {False, True}, None: {False}}[packed_from]
+
+
+@torch.inference_mode()
+def test_decoders_of_one_model_share_its_derived_matrices():
+    """A target's head read at one token (made on first use) does not push its layers' matrices out of the
+    per-model cache: the next decoder of the model reuses every one of them."""
+    model = tiny_target()
+    first = LeanDecoder(model, packed_from=2)
+    first.logits(torch.zeros(1, 1, model.config.hidden_size))  # one row: the head's plain form
+    second = LeanDecoder(model, packed_from=2)
+    for a, b in zip(first.layers, second.layers):
+        assert a.qkv.plain is b.qkv.plain and a.down.packed is b.down.packed
+    assert first.head.packed is second.head.packed

@@ -115,7 +115,8 @@ def load_generator(args):
     device = resolve_device(args.device)
     drafter_dir, target_path = model_paths(args)
     generator = Generator(drafter_dir, target_path, decoder=args.decoder, dtype=torch_dtype(args.dtype, device),
-                          drafter_dtype=args.drafter_dtype, device=device, width="fixed", chat_template=not args.no_chat_template)
+                          drafter_dtype=args.drafter_dtype, device=device, width="fixed",
+                          chat_template=not args.no_chat_template)
     if args.decoder != "ar":  # the width policy comes from the pass times, measured once per pair and cached
         generator.config = decode_config(args, generator.pair)[0]
     return generator
