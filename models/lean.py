@@ -98,15 +98,20 @@ def _sample_sum(weight: torch.Tensor) -> float:
 
 class _Matrix(NamedTuple):
     """One product's weights in the forms the lean forward runs it (see `stacked`): `plain` `(in, out)` for
-    `torch.mm`, `packed` oneDNN-prepacked, each None where unused; `bias` `(out,)` or None."""
+    `torch.mm`, `packed` oneDNN-prepacked, each None where unused; `bias` `(out,)` or None. Without either
+    form, `parts` holds the stacked members' own `(out, in)` weights and biases, read in place."""
 
     plain: torch.Tensor | None
     packed: torch.Tensor | None
     bias: torch.Tensor | None = None
+    parts: tuple = ()
 
     def __call__(self, x: torch.Tensor, packed_from: int | None) -> torch.Tensor:
         """`x @ W.T + bias` for tokens `x` `(*tokens, in)` -> `(*tokens, out)`: prepacked from `packed_from`
         rows on (None: never), plain below."""
+        if self.parts:
+            outs = [F.linear(x, weight, bias) for weight, bias in self.parts]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         rows = x.reshape(-1, x.shape[-1])
         if self.packed is not None and packed_from is not None and rows.shape[0] >= packed_from:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
@@ -175,11 +180,16 @@ class LeanDecoder:
             read at 17 rows and more per pass (the demo drafter's 49216 x 192 head: 13.0 -> 7.6 ms on one
             AVX2 core), while the drafter's small layer products gain nothing from packing.
 
+        copies: run the products on derived matrices (`stacked`); default: on a CPU only. A GPU's matrix
+            library reads the weights in place at any shape, and stacked copies of a large target's q/k/v
+            and gate/up would add over half of its weights to device memory; there the products read the
+            model's own weights (no copy; weight changes are seen).
+
     The matrices are derived from the model's weights when the decoder is built (`stacked`, cached per
     model): weights changed afterwards are not seen; build a new LeanDecoder.
     """
 
-    def __init__(self, model: torch.nn.Module, packed_from: int | None = None):
+    def __init__(self, model: torch.nn.Module, packed_from: int | None = None, copies: bool | None = None):
         if not self.supports(model):
             raise ValueError(f"{type(model).__name__} is not supported by the lean forward")
         self.model = model
@@ -196,7 +206,8 @@ class LeanDecoder:
         self.rotary = model.model.rotary_emb
         self.device = self.embed.device
         self.dtype = self.embed.dtype
-        can_pack = can_prepack(self.device, self.dtype)
+        self.copies = self.device.type == "cpu" if copies is None else copies
+        can_pack = self.copies and can_prepack(self.device, self.dtype)
         self.packed_from = packed_from if can_pack else None
         self.layers = self._layers(model)
         head = model.lm_head.weight
@@ -207,11 +218,15 @@ class LeanDecoder:
         """The model's layers with their products in the forms `packed_from` uses (`stacked`) and the q/k
         norms stacked per head."""
         products = [product for layer in model.model.layers for product in _products(layer)]
-        groups = [weights for weights, _ in products]
-        plain = stacked(model, "layers", groups, packed=False) if self.packed_from != 1 else [None] * len(groups)
-        packed = stacked(model, "layers", groups, packed=True) if self.packed_from is not None else [None] * len(groups)
-        matrices = iter(_Matrix(p, q, None if any(b is None for b in biases) else torch.cat(biases).detach())
-                        for p, q, (_, biases) in zip(plain, packed, products))
+        if self.copies:
+            groups = [weights for weights, _ in products]
+            unused = [None] * len(groups)
+            plain = stacked(model, "layers", groups, packed=False) if self.packed_from != 1 else unused
+            packed = stacked(model, "layers", groups, packed=True) if self.packed_from is not None else unused
+            matrices = iter(_Matrix(p, q, None if any(b is None for b in biases) else torch.cat(biases).detach())
+                            for p, q, (_, biases) in zip(plain, packed, products))
+        else:
+            matrices = iter(_Matrix(None, None, parts=tuple(zip(weights, biases))) for weights, biases in products)
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         layers = []
         for module in model.model.layers:
@@ -252,7 +267,7 @@ class LeanDecoder:
         rows = hidden.numel() // hidden.shape[-1]
         if self.head.packed is not None and rows >= self.head_packed_from:
             return self.head(hidden.contiguous(), self.head_packed_from)
-        if self.device.type != "cpu":
+        if not self.copies:
             return self.model.lm_head(hidden)
         if self.head.plain is None:  # made on first use: only a target's one-token steps read it
             plain = stacked(self.model, "head", [(self.model.lm_head.weight,)], packed=False)[0]

@@ -221,14 +221,19 @@ def test_stacked_products_are_rebuilt_when_a_weight_changes():
     assert (after - before).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("packed_from", [None, 1, 2])
+@pytest.mark.parametrize("packed_from", [None, 1, 2, "no copies"])
 @pytest.mark.parametrize("name", MODELS)
 @torch.inference_mode()
 def test_prepacked_plain_and_mixed_products_match_transformers(name, packed_from):
-    """Every form of the products (`packed_from`: none, all, from two tokens on) computes the model:
-    prefill, one-token steps and a wider pass, logits included."""
+    """Every form of the products (`packed_from`: none, all, from two tokens on; or the model's own weights
+    read in place, as on a GPU) computes the model: prefill, one-token steps and a wider pass, logits included."""
     model = MODELS[name]()
-    lean = LeanDecoder(model, packed_from=packed_from)
+    if packed_from == "no copies":
+        lean = LeanDecoder(model, copies=False)
+        assert all(layer.qkv.parts[0][0] is model.model.layers[i].self_attn.q_proj.weight
+                   and layer.qkv.plain is None and layer.qkv.packed is None for i, layer in enumerate(lean.layers))
+    else:
+        lean = LeanDecoder(model, packed_from=packed_from)
     ids = torch.tensor([prompt_ids(12, seed=4)])
     positions = torch.arange(12)[None]
     want = model(input_ids=ids, position_ids=positions).logits
@@ -238,6 +243,8 @@ def test_prepacked_plain_and_mixed_products_match_transformers(name, packed_from
                         lean.forward(ids[:, 7:], positions[:, 7:], None, cache)], dim=1)
     got = torch.cat([lean.logits(hidden[:, :6]), lean.logits(hidden[:, 6:7]), lean.logits(hidden[:, 7:])], dim=1)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    if packed_from == "no copies":
+        return
     packs = can_prepack(torch.device("cpu"), torch.float32)
     for layer in lean.layers:
         assert (layer.qkv.packed is not None) == (packs and packed_from is not None)
