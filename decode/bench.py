@@ -44,6 +44,7 @@ import torch
 
 from models.errors import ConfigError
 from models.inference import target_products
+from models.precision import dtype_name
 
 from . import cost, registry
 from .config import BaselineConfig, BenchConfig, DecodeConfig
@@ -257,7 +258,7 @@ def _report(summaries: dict, drafters: list, prompts: int, config: BenchConfig, 
     """The JSON-ready report in the layout of the module docstring."""
     settings = _settings(config, target)
     # the target's dtype is settings["dtype"]; the drafters compute in one dtype of their own (models/precision.py)
-    settings["drafter_dtype"] = str(next(drafters[0][1].parameters()).dtype).replace("torch.", "") if drafters else None
+    settings["drafter_dtype"] = dtype_name(next(drafters[0][1].parameters()).dtype) if drafters else None
     if len(drafters) <= 1:
         name, drafter = drafters[0] if drafters else (None, None)
         settings.update({
@@ -343,7 +344,7 @@ def _settings(config: BenchConfig, target) -> dict:
         "replay_batch": config.replay_batch,
         "warmup_tokens": config.warmup_tokens,
         "baselines": config.baselines.settings(),
-        "dtype": str(next(target.parameters()).dtype).replace("torch.", ""),
+        "dtype": dtype_name(next(target.parameters()).dtype),
         "target_products": target_products(target),  # prepacked or plain, as models.inference.target_runner chose
         "device": str(device),
         "environment": {

@@ -76,18 +76,16 @@ class TransformersDecoder:
         return torch.tanh(logits / cap) * cap if cap else logits
 
 
-def decoder_runner(model: torch.nn.Module, lean: bool = True, packed_from: int | None = None):
+def decoder_runner(model: torch.nn.Module, lean: bool = True):
     """The fastest runner for `model`'s decoder stack: `LeanDecoder` where it applies, else transformers'.
-
-    `packed_from` (frozen models only, such as the target): passes of at least this many tokens run on
-    prepacked matrices where the device allows (models.lean.LeanDecoder; None: none do).
+    A frozen target's runner comes from `target_runner`, which also picks the form of its products.
 
     Both run `forward(input_ids (batch, Q), positions (batch, Q), mask (batch, 1, Q, cache + Q) | None,
     cache, lengths=None, packed_index=None) -> hidden (batch, Q, hidden_size)` over a cache from their
     `new_cache(rows)`.
     """
     if lean and LeanDecoder.supports(model):
-        return LeanDecoder(model, packed_from=packed_from)
+        return LeanDecoder(model)
     return TransformersDecoder(model)
 
 
@@ -104,11 +102,12 @@ def target_runner(model: torch.nn.Module, lean: bool = True):
 
     Which is faster depends on the CPU, the dtype and the tokens (models.lean.stacked): on 2 AVX2 EPYC cores
     prepacked float32 products ran a one-token step 1.6x faster than `F.linear`; on 2 AVX-512 Xeon cores
-    plain `(in, out)` products ran it 1.3-1.5x faster than prepacked ones in float32 (MKL's matrix-vector
-    path), while from two tokens on prepacked ones were faster. So where both apply, a one-token and a
-    4-token pass of an all-prepacked and an all-plain runner are timed in turn (5 rounds after a warm-up,
-    medians, about two seconds for the demo target); one-token steps get the faster at one token, wider
-    passes the faster at four, for the model's lifetime. Every decoder of the process, `ar` included, then
+    the demo target's whole pass ran faster on plain `(in, out)` products at every width from 1 to 16
+    tokens (33.8 against 45.8 ms at one, 46.9 against 51.3 at four), although its products alone, timed
+    apart, had favoured prepacked ones from two rows on. So where both apply, a one-token and a 4-token
+    pass of an all-prepacked and an all-plain runner are timed in turn (5 rounds after a warm-up, medians,
+    about 4 s for the demo target); one-token steps get the faster at one token, wider passes the faster at
+    four, for the model's lifetime. Every decoder of the process, `ar` included, then
     runs the same products. `D3D_PRUNE_TARGET_PRODUCTS` (packed, mixed or plain) fixes the choice instead.
     """
     if not (lean and LeanDecoder.supports(model)):

@@ -50,10 +50,11 @@ def stacked(model: torch.nn.Module, role: str, groups: list[tuple[torch.Tensor, 
     input, so one product of the stacked matrix replaces three (two). Of the two forms, which is faster
     depends on the rows and the CPU (measured on 2 AVX-512 cores, the demo target's 30 layers of products):
     `torch.mm` on `(in, out)` takes MKL's matrix-vector path at one row, 22.8 ms against 35.3 ms prepacked,
-    but repacks the matrix on every call from two rows on (35.6 / 38.8 / 44.8 ms at 2 / 4 / 8 rows) where
-    prepacked products do not (35.7 / 36.7 / 38.3 ms); on 2 AVX2 EPYC cores prepacked products ran 1, 4 and
-    16 rows in 0.6x, 0.45x and 0.55x the time of `F.linear`. So the lean forward holds the forms it uses and
-    picks one per product by its rows (`LeanDecoder`, `packed_from`).
+    and is slower from two rows on (35.6 / 38.8 / 44.8 ms at 2 / 4 / 8 rows against 35.7 / 36.7 / 38.3 ms
+    prepacked; the whole pass did not bear that out, see models.inference.target_runner); on 2 AVX2 EPYC
+    cores prepacked products ran 1, 4 and 16 rows in 0.6x, 0.45x and 0.55x the time of `F.linear`. So the
+    lean forward holds the forms it uses and picks one per product by its rows (`LeanDecoder`,
+    `packed_from`).
 
     The copies are keyed by data pointer, version counter and a sample of the values (peft merges adapters
     through `.data`, which moves neither of the first two; a merge changes nearly every value, so the sample
@@ -73,9 +74,11 @@ def stacked(model: torch.nn.Module, role: str, groups: list[tuple[torch.Tensor, 
 def forget_unused(model: torch.nn.Module, packed_from: int | None) -> None:
     """Drop the layer matrices of `model` in the form that decoders with `packed_from` never read (a measurement
     of both forms made them; each is as large as the weights)."""
-    unused = {1: [False], None: [True]}.get(packed_from, [])
-    for packed in unused:
-        _PACKED.get(model, {}).pop(("layers", packed), None)
+    derived = _PACKED.get(model, {})
+    if packed_from == 1:  # every product prepacked: no plain matrix is read
+        derived.pop(("layers", False), None)
+    if packed_from is None:  # none prepacked
+        derived.pop(("layers", True), None)
 
 
 def _derived(model: torch.nn.Module, kind: tuple, weights: list[torch.Tensor], build) -> list:
@@ -179,7 +182,6 @@ class LeanDecoder:
             `packed_from` says where the device allows: it is the one large matrix of a small drafter,
             read at 17 rows and more per pass (the demo drafter's 49216 x 192 head: 13.0 -> 7.6 ms on one
             AVX2 core), while the drafter's small layer products gain nothing from packing.
-
         copies: run the products on derived matrices (`stacked`); default: on a CPU only. A GPU's matrix
             library reads the weights in place at any shape, and stacked copies of a large target's q/k/v
             and gate/up would add over half of its weights to device memory; there the products read the
@@ -212,7 +214,7 @@ class LeanDecoder:
         self.layers = self._layers(model)
         head = model.lm_head.weight
         self.head = _Matrix(None, stacked(model, "head", [(head,)], packed=True)[0] if can_pack else None)
-        self.head_packed_from = min(self.packed_from or 2, 2) if can_pack else None
+        self.head_packed_from = (1 if self.packed_from == 1 else 2) if can_pack else None
 
     def _layers(self, model: torch.nn.Module) -> list[_Layer]:
         """The model's layers with their products in the forms `packed_from` uses (`stacked`) and the q/k
@@ -269,7 +271,7 @@ class LeanDecoder:
             return self.head(hidden.contiguous(), self.head_packed_from)
         if not self.copies:
             return self.model.lm_head(hidden)
-        if self.head.plain is None:  # made on first use: only a target's one-token steps read it
+        if self.head.plain is None:  # made on first use: a target's one-token steps, or no prepacking here
             plain = stacked(self.model, "head", [(self.model.lm_head.weight,)], packed=False)[0]
             self.head = self.head._replace(plain=plain)
         return self.head(hidden, None)

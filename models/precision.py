@@ -62,6 +62,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return getattr(torch, name)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """"float32", "bfloat16", ...: a torch dtype as reports, keys and flags name it."""
+    return str(dtype).removeprefix("torch.")
+
+
 def drafter_dtype(dtype: str | torch.dtype | None, target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The drafter's compute dtype: `dtype` as `resolve_dtype` reads it, or for "auto" (and None) float32 on
     a CPU and `target_dtype` elsewhere (see the module docstring)."""

@@ -16,6 +16,7 @@ import torch
 
 from models.checkpoint import folder_hashes, stored_dtype
 from models.drafter import save_drafter
+from models.precision import dtype_name
 
 from . import __version__
 from .text import number
@@ -94,17 +95,17 @@ def export_step(model, folder, source_dir, report: dict, history: list[dict], dt
         dtype: the dtype of the saved weights (None: the model's own).
     """
     source_dir = Path(source_dir)
-    dtype_name = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
+    stored = dtype_name(dtype or next(model.parameters()).dtype)
 
     def finish(tmp: Path) -> None:
         if (source_dir / "generation_config.json").is_file():
             shutil.copy2(source_dir / "generation_config.json", tmp / "generation_config.json")
-        full = {**report, "tool_version": __version__, "dtype": dtype_name, "history": history,
+        full = {**report, "tool_version": __version__, "dtype": stored, "history": history,
                 "files": folder_hashes(tmp)}
         (tmp / REPORT_NAME).write_text(json.dumps(full, indent=2, sort_keys=True, default=str) + "\n")
 
     return save_drafter(model, folder, tokenizer_source=source_dir, overwrite=overwrite, dtype=dtype,
-                        extra_files={"README.md": model_card(history, str(source_dir), dtype_name, str(folder))},
+                        extra_files={"README.md": model_card(history, str(source_dir), stored, str(folder))},
                         before_commit=finish)
 
 

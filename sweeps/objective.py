@@ -43,6 +43,7 @@ import optuna
 from decode.cost import PassTimes
 from models.drafter import load_drafter
 from models.errors import CheckpointError, ConfigError
+from models.precision import dtype_name
 from prune.config import RunConfig
 from prune.export import REPORT_NAME, verify_export
 from prune.progressive import Campaign, RunHooks, config_record, run_pruning
@@ -131,7 +132,7 @@ def study_timing_key(score, drafter) -> str:
     `score`'s packed budget."""
     weight = next(drafter.parameters())
     return (f"timing/packed_budget={score.decode.packed_budget}/{weight.device.type}/"
-            f"{str(weight.dtype).removeprefix('torch.')}")
+            f"{dtype_name(weight.dtype)}")
 
 
 class PruningObjective:

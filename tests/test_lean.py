@@ -17,7 +17,7 @@ from decode.verifiers import LiveVerifier, ReplayVerifier
 from models.errors import ConfigError
 from models.inference import (PRODUCTS, TARGET_PRODUCTS_ENV, TransformersDecoder, decoder_runner,
                                target_products, target_runner)
-from models import lean
+import models.lean
 from models.lean import LeanDecoder, can_prepack
 from models.masks import BlockSpec, batch_layouts, block_layout
 
@@ -156,6 +156,25 @@ def test_new_settings_are_exact_against_ar(setting, prompt_len):
         assert max(live.widths) <= drafter.config.block_size
 
 
+@pytest.mark.parametrize("products", list(PRODUCTS))
+def test_every_form_of_the_target_products_is_exact_against_ar(products, monkeypatch):
+    """ar and the speculative decoders run the target's products in the form chosen for it (one-token steps
+    and wider verify passes may take different forms): the output is ar's token for token in each."""
+    target, drafter = trained_drafter()
+    if not can_prepack(next(target.parameters()).device, torch.float32):
+        pytest.skip("oneDNN cannot prepack here: the target runs plain products only")
+    target = copy.deepcopy(target)  # a model of its own: the form is chosen once per model
+    monkeypatch.setenv(TARGET_PRODUCTS_ENV, products)
+    config = DecodeConfig(max_new_tokens=41, width_policy=ADAPTIVE)
+    for prompt_len in (3, 30):
+        prompt = prompt_ids(prompt_len, seed=200 + prompt_len)
+        reference = decode_ar(target, prompt, config).output_ids
+        assert target_products(target) == products
+        for decoder in ("sync", "async"):
+            result = decode_speculative(decoder, drafter, [LiveVerifier(target)], [prompt], config)[0]
+            assert result.output_ids == reference, (products, decoder, prompt_len)
+
+
 def test_adaptive_width_varies_with_the_drafters_confidence():
     target, drafter = trained_drafter()
     config = DecodeConfig(max_new_tokens=41, width_policy=ADAPTIVE)
@@ -271,7 +290,7 @@ def test_the_target_products_are_chosen_once_or_fixed_by_the_environment(fixed, 
     packed_from = target_runner(measured).packed_from
     assert packed_from in PRODUCTS.values() and target_products(measured) in PRODUCTS  # timed: any of the three
     # both forms were built to be timed; the one its decoders never read is dropped
-    kept = {packed for role, packed in lean._PACKED[measured] if role == "layers"}
+    kept = {packed for role, packed in models.lean._PACKED[measured] if role == "layers"}
     assert kept == {1: {True}, 2: {False, True}, None: {False}}[packed_from]
 
 

@@ -329,16 +329,16 @@ def load_pair_and_prompts(args):
     """
     from decode.prompts import check_context, tokenize_records
     from models.pair import load_pair
+    from models.precision import dtype_name
 
     quiet_libraries()
     device = resolve_device(args.device)
     dtype = torch_dtype(args.dtype, device)
-    args.dtype = str(dtype).replace("torch.", "")  # later readers (cache keys, reports) see the resolved name
+    args.dtype = dtype_name(dtype)  # later readers (cache keys, reports) see the resolved name
     records, source = prompt_records(args)
     drafter_dir, target_path = model_paths(args)
     warn_training_overlap(drafter_dir, records, source)
     pair = load_pair(drafter_dir, target_path, dtype, device, args.drafter_dtype)
-    args.drafter_dtype = str(next(pair.drafter.parameters()).dtype).replace("torch.", "")
     prompts = tokenize_records(records, pair.tokenizer, not args.no_chat_template)
     check_context(prompts, args.max_new_tokens, pair.drafter.config.block_size, pair.max_positions)
     return pair, prompts, drafter_dir, target_path, source
