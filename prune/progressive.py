@@ -20,7 +20,7 @@ prune/config.py.
 import functools
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -36,7 +36,8 @@ from .heal import heal
 from .journal import ScoringJournal, remove_journals
 from .progress import clock, progress_bar
 from .report import write_report
-from .scoring import Evaluation, ScoreReport, cached_scores, carried_scores, evaluate, round_evaluations
+from .scoring import (Evaluation, ScoreReport, cached_scores, carried_scores, evaluate, expected_best_of,
+                      retention_error, round_evaluations)
 from .state import (BaseRecord, RunState, StepRecord, Timing, campaign_timing, has_run, judged_on, load_state,
                     save_state)
 from .training.loss import Teacher
@@ -56,7 +57,7 @@ class Campaign:
         trajectories: the prompts' recorded target trajectories (replay; prune.scoring.cached_trajectories).
         check_prompts: prompts disjoint from `prompts` that judge every step (RunConfig.check_prompts of them);
             None or empty: the steps are judged on `prompts`.
-        check_trajectories: their recorded target trajectories (replay).
+        check_trajectories: their recorded target trajectories (replay), `RunConfig.check_tokens` long.
         heal_examples: distillation `Example`s for healing (None or empty disables healing).
         cache: the cache folder (prune.cache): the campaign's timing is kept there, and a scoring round that
             `prune score` scored with the same settings is read from there; None caches nothing.
@@ -115,8 +116,14 @@ class _Run:
         the calibration prompts when the campaign has none."""
         c = self.campaign
         if c.check_prompts:
-            return evaluate(model, c.check_prompts, self.config.score, c.check_trajectories, c.target)
+            return evaluate(model, c.check_prompts, self.config.check_score, c.check_trajectories, c.target)
         return evaluate(model, c.prompts, self.config.score, c.trajectories, c.target)
+
+    @functools.cached_property
+    def base(self) -> Evaluation:
+        """The unpruned drafter's measurements on the prompts that judge steps (deterministic: a resumed run
+        measures the same)."""
+        return self.judge(self.campaign.drafter)
 
     @property
     def judged_on(self) -> str:
@@ -209,7 +216,7 @@ def _open_state(run: _Run, resume: bool, timing: Timing | None) -> tuple[RunStat
     if timing is not None and timing.layers != layers:
         raise ConfigError(f"the given timing is of a {timing.layers}-layer drafter, this one has {layers}; "
                           "measure it with campaign_timing(drafter, ...)")
-    base = run.judge(drafter)
+    base = run.base
     if timing is None:
         timing = campaign_timing(drafter, config.score, run.campaign.target, cache=run.campaign.cache)
     state = RunState(config_record(config), str(run.campaign.source_dir), timing,
@@ -300,7 +307,13 @@ def _take_step(run: _Run, current, scores: ScoreReport, k: int, state: RunState)
         else:
             before = run.judge(reduced)
         record = _step_record(run, state, scores, chosen, before, before, [], False)
-        if _stop_rule(run.config, state, record) is None and not _needs_heal(run, before.tau, state.base.tau):
+        judged = _discounted(run, before, tries=index + 1)
+        if judged is not before:
+            run.log(f"step {step}: try {index + 1} keeps {record.retention:.2%} of the unpruned {run.judged_on} tau, "
+                    f"judged at {judged.tau / state.base.tau:.2%} (the optimism of the best of {index + 1} reads, "
+                    "--check-try-discount)")
+        if (_stop_rule(run.config, state, _step_record(run, state, scores, chosen, judged, judged, [], False)) is None
+                and not _needs_heal(run, judged.tau, state.base.tau)):
             _heal(run, reduced, before, state.base.tau, step)  # says why it is not healed
             return reduced, record
         first = first or (chosen, reduced, before)
@@ -313,6 +326,19 @@ def _take_step(run: _Run, current, scores: ScoreReport, k: int, state: RunState)
     chosen, reduced, before = first
     healed, measured, losses, rolled_back = _heal(run, reduced, before, state.base.tau, step)
     return healed, _step_record(run, state, scores, chosen, before, measured, losses, rolled_back)
+
+
+def _discounted(run: _Run, measured: Evaluation, tries: int) -> Evaluation:
+    """`measured`, the `tries`-th candidate of a step on the check prompts, as the stop rules judge it: its tau
+    lowered by RunConfig.check_try_discount x the optimism of the best of `tries` reads x the standard error of
+    its retention there (paired with the unpruned drafter's per-prompt tau), in units of the unpruned tau.
+    The first try, or a discount of 0, is judged as it reads (`measured` itself)."""
+    discount = run.config.check_try_discount * expected_best_of(tries)
+    if discount == 0:
+        return measured
+    base = run.base
+    error = retention_error(measured.tau_per_prompt, base.tau_per_prompt)
+    return replace(measured, tau=measured.tau - discount * error * base.tau)
 
 
 def _step_record(run: _Run, state: RunState, scores: ScoreReport, chosen: list[int], before: Evaluation,
@@ -403,7 +429,8 @@ def config_record(config: RunConfig) -> dict:
 
 # Settings added since a run could be saved without them, at the value that reproduces what runs did before:
 # such a run resumes only with these values (e.g. `--check-prompts 0`), as it was judged then.
-SETTINGS_BEFORE_THEY_EXISTED = {"check_prompts": 0, "check_candidates": 1}
+SETTINGS_BEFORE_THEY_EXISTED = {"check_prompts": 0, "check_candidates": 1, "check_try_discount": 0.0,
+                                "check_tokens": None}
 
 
 def with_defaults(stored: dict, defaults: dict) -> dict:

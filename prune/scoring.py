@@ -16,6 +16,7 @@ them apart (docs/design.md, Scoring). Settings: prune.config.ScoreConfig; report
 prune.cache.score_key.
 """
 
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -219,6 +220,34 @@ def bootstrap_interval(deltas: list[float], resamples: int, confidence: float, s
     tail = (1 - confidence) / 2
     low, high = torch.quantile(means, torch.tensor([tail, 1 - tail], dtype=torch.float64)).tolist()
     return low, high
+
+
+def retention_error(candidate: list[float], base: list[float]) -> float:
+    """Standard error of the retention mean(candidate) / mean(base), the two measured on the same prompts
+    (per-prompt tau, paired; delta method): 0.0 with fewer than two prompts."""
+    n = len(base)
+    if n < 2 or len(candidate) != n or sum(base) <= 0:
+        return 0.0
+    mean_base = sum(base) / n
+    ratio = sum(candidate) / n / mean_base
+    variance = sum((c - ratio * b) ** 2 for c, b in zip(candidate, base)) / (n - 1)
+    return math.sqrt(variance / n) / mean_base
+
+
+def expected_best_of(reads: int) -> float:
+    """E[max of `reads` independent standard normal draws]: how many standard errors the best of that many
+    noisy reads lies above its own true value on average (0 for one read; 0.56, 0.85, 1.03 for 2, 3, 4)."""
+    if reads <= 1:
+        return 0.0
+    # the integral of x * d/dx Phi(x)^reads over [-10, 10], by the midpoint rule: exact to 6 digits
+    steps, low, high = 4000, -10.0, 10.0
+    width = (high - low) / steps
+    total = 0.0
+    for i in range(steps):
+        x = low + (i + 0.5) * width
+        density = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        total += x * reads * density * (0.5 * (1 + math.erf(x / math.sqrt(2)))) ** (reads - 1)
+    return total * width
 
 
 class ScoringMemory:

@@ -381,17 +381,18 @@ def test_bench_on_an_exported_step_reproduces_its_tau(pair_dirs, capsys, tmp_pat
     common = ["--target", str(pair_dirs / "target"), "--max-new-tokens", "12"]
     run = ["run", "--drafter", str(pair_dirs / "drafter"), *common, "--prompts", str(pair_dirs / "prompts.jsonl"),
            "--layers-to-remove", "1", "--min-retention", "0.01", "--no-speedup-stop", "--json", "-",
-           "--speed-prompts", "0"]
+           "--speed-prompts", "0", "--check-tokens", "20"]
     assert main(run + ["--out", str(tmp_path / "out"), "--limit", "1"]) == 0
     captured = capsys.readouterr()
     state = json.loads(captured.out)
-    assert state["config"]["check_prompts"] == 2 and "fewer than --check-prompts 16" in captured.err
+    assert state["config"]["check_prompts"] == 2 and "fewer than --check-prompts 24" in captured.err
     checks = tmp_path / "checks.jsonl"
     checks.write_text("".join((pair_dirs / "prompts.jsonl").read_text().splitlines(keepends=True)[1:]))
     for folder, tau in (("step-01", state["history"][0]["tau"]), (None, state["base"]["tau"])):
         drafter = str(tmp_path / "out" / folder) if folder else str(pair_dirs / "drafter")
-        assert main(["bench", "--drafter", drafter, *common, "--prompts", str(checks), "--decoder", "async",
-                     "--verify", "replay", "--json", "-"]) == 0
+        # the check prompts decode --check-tokens 20, not the calibration's --max-new-tokens 12
+        assert main(["bench", "--drafter", drafter, "--target", str(pair_dirs / "target"), "--max-new-tokens", "20",
+                     "--prompts", str(checks), "--decoder", "async", "--verify", "replay", "--json", "-"]) == 0
         assert json.loads(capsys.readouterr().out)["decoders"]["async"]["tau_macro"] == pytest.approx(tau)
     # With no prompt beyond the calibration prompts the steps are judged on those, and the run says so.
     assert main(run + ["--out", str(tmp_path / "all")]) == 0

@@ -125,7 +125,7 @@ def test_a_step_is_healed_only_when_its_drafter_lost_enough_of_the_unpruned_tau(
             assert "| not needed |" in (out / "report.md").read_text()
 
 
-def test_steps_are_judged_on_the_check_prompts(campaign, tmp_path):
+def test_steps_are_judged_on_the_check_prompts(campaign, tmp_path, monkeypatch):
     from _pairs import prompt_ids
     from models.drafter import load_drafter
     from models.surgery import remove_layers
@@ -133,20 +133,21 @@ def test_steps_are_judged_on_the_check_prompts(campaign, tmp_path):
 
     target, drafter, root, prompts, decode, trajectories, examples = campaign
     checks = [prompt_ids(n, seed=100 + n) for n in (4, 9)]
-    check_trajectories = record_trajectories(target, checks, decode)
-    config = config_of(decode, layers_to_remove=1, check_prompts=2)
+    config = config_of(decode, layers_to_remove=1, check_prompts=2, check_tokens=decode.max_new_tokens + 8)
+    check_trajectories = record_trajectories(target, checks, config.check_score.decode)
     logged = []
     state = run_pruning(Campaign(drafter, root / "source", prompts, target, trajectories, examples,
                                  check_prompts=checks, check_trajectories=check_trajectories),
                         tmp_path / "out", config, hooks=RunHooks(log=logged.append))
-    # The unpruned and the step's tau (before and after its heal) are those of the check prompts, not of the
-    # calibration prompts that scored the layers; the report and the log say so.
-    step = state.history[0]
-    assert state.base.tau == evaluate(drafter, checks, config.score, check_trajectories).tau
+    # The unpruned and the step's tau (before and after its heal) are those of the check prompts, decoded to
+    # --check-tokens, not of the calibration prompts that scored the layers; the report and the log say so.
+    step, judged = state.history[0], config.check_score
+    assert judged.decode.max_new_tokens == decode.max_new_tokens + 8 and config.score.decode == decode
+    assert state.base.tau == evaluate(drafter, checks, judged, check_trajectories).tau
     assert state.base.tau != evaluate(drafter, prompts, config.score, trajectories).tau
-    assert step.tau == evaluate(load_drafter(tmp_path / "out" / "step-01"), checks, config.score,
-                                check_trajectories).tau
-    assert step.tau_before_heal == evaluate(remove_layers(drafter, step.removed), checks, config.score,
+    assert state.base.tau != evaluate(drafter, checks, config.score, record_trajectories(target, checks, decode)).tau
+    assert step.tau == evaluate(load_drafter(tmp_path / "out" / "step-01"), checks, judged, check_trajectories).tau
+    assert step.tau_before_heal == evaluate(remove_layers(drafter, step.removed), checks, judged,
                                             check_trajectories).tau
     assert state.judged_on == "check" and "judged (tau, retention, heals, stop rules) on the check prompts" in \
         (tmp_path / "out" / "report.md").read_text()
@@ -162,9 +163,10 @@ def test_steps_are_judged_on_the_check_prompts(campaign, tmp_path):
 
     # The lowest-scoring layer loses more of the check tau than the floor allows and the next one does not: with
     # one candidate the run stops there, with three the step removes the next one, unhealed.
-    def judged_run(out, candidates):
-        config = config_of(decode, layers_to_remove=1, check_prompts=2, check_candidates=candidates,
-                           min_retention=0.9, heal=HealConfig(steps=0))
+    def judged_run(out, candidates, discount=0.0):
+        config = config_of(decode, layers_to_remove=1, check_prompts=2, check_tokens=decode.max_new_tokens + 8,
+                           check_candidates=candidates,
+                           check_try_discount=discount, min_retention=0.9, heal=HealConfig(steps=0))
         return run_pruning(Campaign(drafter, root / "source", prompts, target, trajectories, examples,
                                     check_prompts=checks, check_trajectories=check_trajectories),
                            tmp_path / out, config, hooks=RunHooks(log=logged.append))
@@ -175,12 +177,27 @@ def test_steps_are_judged_on_the_check_prompts(campaign, tmp_path):
     ranking = [s.layer for s in sorted(scores, key=rank_key(scores))]
 
     def kept(layer):
-        return evaluate(remove_layers(drafter, [layer]), checks, config.score, check_trajectories).tau / state.base.tau
+        return evaluate(remove_layers(drafter, [layer]), checks, judged, check_trajectories).tau / state.base.tau
 
     assert kept(ranking[0]) < 0.9 <= kept(ranking[1])
     assert taken.history[0].removed == [ranking[1]] and taken.history[0].retention == kept(ranking[1])
     assert any("trying original layers" in line for line in logged)
     assert only.history == [] and only.stopped_by.startswith("retention floor")
+
+    # The second try is the better of two reads on the check prompts: judged at its tau lowered by the optimism
+    # of the best of two (0.564 standard errors of its paired retention, times --check-try-discount), it is
+    # taken when that still clears the floor and not when it does not; the state keeps what it read. (The tiny
+    # pair's two check prompts measure no error, so the run is given one.)
+    from prune import progressive
+    from prune.scoring import expected_best_of
+
+    monkeypatch.setattr(progressive, "retention_error", lambda candidate, base: 0.05)
+    fits = (kept(ranking[1]) - 0.9) / (expected_best_of(2) * 0.05)  # the discount that lands on the floor
+    logged.clear()
+    lenient, strict = judged_run("lenient", 2, discount=fits / 2), judged_run("strict", 2, discount=fits * 2)
+    assert lenient.history[0].removed == [ranking[1]] and lenient.history[0].retention == kept(ranking[1])
+    assert any("judged at" in line and "--check-try-discount" in line for line in logged)
+    assert strict.history == [] and strict.stopped_by.startswith("retention floor")
 
 
 def test_retention_floor_stops_before_the_step(campaign, tmp_path):

@@ -1,5 +1,7 @@
 """Layer scoring: replay equals live, the reported delta is the real effect, intervals are sane."""
 
+import math
+
 import pytest
 
 from _pairs import prompt_ids, trained_drafter
@@ -245,3 +247,30 @@ def test_expected_tau_criterion_scores_the_drop_in_expected_acceptance(setup):
     # The decoder-only criteria do not pay for it.
     assert score_layers(drafter, prompts, ScoreConfig(decode=decode, timing_repeats=1),
                         target=target).base.expected_tau is None
+
+
+def test_the_optimism_of_the_best_of_several_reads_and_the_error_of_a_paired_retention():
+    import random
+    import statistics
+
+    from prune.scoring import expected_best_of, retention_error
+
+    # E[max of n standard normals]: 0, 1/sqrt(pi), 3/(2 sqrt(pi)) in closed form for 1, 2, 3; grows with n
+    assert expected_best_of(1) == 0.0 and expected_best_of(0) == 0.0
+    assert expected_best_of(2) == pytest.approx(1 / math.sqrt(math.pi), abs=1e-6)
+    assert expected_best_of(3) == pytest.approx(1.5 / math.sqrt(math.pi), abs=1e-6)
+    assert expected_best_of(2) < expected_best_of(4) < expected_best_of(8) < 3
+
+    # a candidate that keeps a fixed share of every prompt's tau has no error; one prompt has none to measure
+    assert retention_error([2.0, 3.0, 4.0], [2.5, 3.75, 5.0]) == pytest.approx(0.0, abs=1e-12)
+    assert retention_error([2.0], [3.0]) == 0.0
+    # noise around a fixed share: the error matches the spread of the retention over fresh prompt sets
+    rng = random.Random(0)
+
+    def prompts(n):
+        base = [rng.uniform(1.5, 4.5) for _ in range(n)]
+        return [b * 0.97 + rng.gauss(0, 0.2) for b in base], base
+
+    spread = statistics.stdev(sum(c) / sum(b) for c, b in (prompts(16) for _ in range(4000)))
+    errors = [retention_error(*prompts(16)) for _ in range(400)]
+    assert statistics.mean(errors) == pytest.approx(spread, rel=0.1)

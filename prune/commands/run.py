@@ -69,10 +69,19 @@ def add_parser(subparsers) -> None:
                         "judged (tau, retention, heals, stop rules): the calibration prompts chose the removed layers "
                         "for measuring well there, so a step reads better on them than it is. Fewer when the source "
                         "runs out; 0: judge on the calibration prompts")
+    parser.add_argument("--check-tokens", type=_types.positive_int, default=RUN["check_tokens"], metavar="N",
+                        help="tokens each check prompt decodes: a step's check tau is the figure every decision "
+                        "reads, and longer decodes measure it closer (the calibration prompts decode "
+                        "--max-new-tokens)")
     parser.add_argument("--check-candidates", type=_types.positive_int, default=RUN["check_candidates"], metavar="N",
                         help="with check prompts and --per-step 1: layers a step may try, lowest score first; it "
                         "takes the first that the stop rules accept without a heal, else heals the lowest "
                         "(1: the lowest only)")
+    parser.add_argument("--check-try-discount", type=_types.non_negative_float, default=RUN["check_try_discount"],
+                        metavar="F", help="judge a step's i-th candidate at its check tau lowered by F times the "
+                        "optimism of the best of i noisy reads (standard errors of its retention on the check "
+                        "prompts): the first of several tries that passes is selected on those prompts (0: judge "
+                        "every try as it reads)")
     parser.add_argument("--no-speedup-stop", action="store_true",
                         help="do not stop when predicted speedup falls below the best so far")
     parser.add_argument("--speedup-tolerance", type=_types.fraction, default=RUN["speedup_tolerance"], metavar="F",
@@ -149,7 +158,8 @@ def _run(args) -> int:
     cache = cache_dir(args)
     replay = args.verify == "replay"
     trajectories = cached_trajectories(cache, pair.target, prompts, decode) if replay else None
-    check_trajectories = cached_trajectories(cache, pair.target, checks, decode) if replay and checks else None
+    check_trajectories = (cached_trajectories(cache, pair.target, checks, config.check_score.decode)
+                          if replay and checks else None)
     drafter_hash = fingerprint(pair.drafter)
     tracker = make_tracker(args, "run", {
         "settings": config_record(config), "drafter": drafter_dir, "drafter_hash": drafter_hash,
@@ -183,6 +193,7 @@ def run_config(args, decode, healing: bool) -> RunConfig:
         layers_to_remove=args.layers_to_remove, min_retention=args.min_retention, per_step=args.per_step,
         stop_on_speedup=not args.no_speedup_stop, speedup_tolerance=args.speedup_tolerance,
         check_prompts=args.check_prompts, check_candidates=args.check_candidates,
+        check_tokens=args.check_tokens, check_try_discount=args.check_try_discount,
         carry_screen=not args.no_carry_screen,
         score=ScoreConfig(criterion=args.criterion, verify=args.verify, decode=decode, seed=args.seed,
                           screen_prompts=args.screen_prompts, screen_keep=args.screen_keep),
