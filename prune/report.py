@@ -66,6 +66,9 @@ def _speed_lines(speed: SpeedCheck | None) -> list[str]:
             cells = [number(row.tau, 3)] + [number(v, 2, "x") for v in
                                             (row.measured_speedup, row.predicted_speedup, row.speedup_limit)]
             lines.append(f"| {name} | {' | '.join(cells)} | {row.exact} |")
+    if speed.base and speed.final and speed.base.tau and speed.retention_error is not None:
+        lines += ["", f"Held-out tau retention {speed.final.tau / speed.base.tau:.4f} +- {speed.retention_error:.4f} "
+                  f"(standard error over these {speed.prompts} prompts; the steps were judged on the check prompts)."]
     return lines
 
 

@@ -7,7 +7,7 @@ gets `speed` (prune.state.SpeedCheck):
 
     {"prompts": N, "source": "humaneval:eval", "max_new_tokens": T,
      "base":  {"tau", "measured_speedup", "predicted_speedup", "speedup_limit", "exact"},
-     "final": {...}}
+     "final": {...}, "retention_error": E}
 
 predicted_speedup is the cost model at the tau, verify width and fallback rate measured in this check,
 with the campaign's pass times, so predicted and measured compare like for like.
@@ -18,6 +18,7 @@ from decode.bench import run_bench
 from decode.config import BenchConfig
 from models.drafter import load_drafter
 
+from .scoring import retention_error
 from .state import RunState, SpeedCheck, SpeedRow
 
 
@@ -43,4 +44,7 @@ def measure_speed(state: RunState, out, drafter, target, prompts, decode, source
         row = decoders["async"]
         setattr(speed, name, SpeedRow(row["tau_macro"], row["speedup_vs_ar"], row.get("predicted_speedup"),
                                       row.get("speedup_limit"), row["exact_match_vs_ar"]))
+    if "final" in rows:
+        speed.retention_error = retention_error(rows["final"]["async"]["tau_per_prompt"],
+                                                rows["base"]["async"]["tau_per_prompt"])
     return speed

@@ -221,6 +221,9 @@ class SpeedCheck:
         prompts: held-out prompts decoded; source: where they came from (a suite part or a file);
         max_new_tokens: tokens generated per prompt at most.
         base, final: each drafter's SpeedRow (`final` None when no step was taken).
+        retention_error: standard error of the held-out retention final.tau / base.tau over these prompts
+            (prune.scoring.retention_error; None without a final drafter, and in checks saved before it): a
+            few prompts measure speed well and retention roughly.
     """
 
     prompts: int
@@ -228,16 +231,20 @@ class SpeedCheck:
     max_new_tokens: int
     base: SpeedRow | None = None
     final: SpeedRow | None = None
+    retention_error: float | None = None
 
     def to_dict(self) -> dict:
         record = {"prompts": self.prompts, "source": self.source, "max_new_tokens": self.max_new_tokens}
         record.update({name: asdict(row) for name, row in (("base", self.base), ("final", self.final)) if row})
+        if self.retention_error is not None:
+            record["retention_error"] = self.retention_error
         return record
 
     @classmethod
     def from_dict(cls, record: dict) -> "SpeedCheck":
         rows = {name: SpeedRow(**record[name]) for name in ("base", "final") if record.get(name)}
-        return cls(record["prompts"], record["source"], record["max_new_tokens"], **rows)
+        return cls(record["prompts"], record["source"], record["max_new_tokens"], **rows,
+                   retention_error=record.get("retention_error"))
 
 
 def judged_on(check_prompts: int | None) -> str:

@@ -58,6 +58,7 @@ METRICS = {
     "final/measured_speedup": "summary: final async speedup over ar, measured beside the unpruned one",
     "final/measured_predicted_speedup": "summary: the cost model's speedup for that measurement",
     "final/heldout_tau": "summary: final tau on the held-out prompts of the speed check",
+    "final/heldout_retention_error": "summary: standard error of final / unpruned held-out tau over those prompts",
     "final/layers_removed": "summary: layers removed",
     "final/stopped_by": "summary: the stop rule that ended the run",
     "sweep/eval_tau": "summary (trials): tau of the final drafter on the sweep's evaluation prompts",
@@ -316,6 +317,8 @@ def _summary(state: RunState) -> dict:
             summary.update({f"{name}/measured_speedup": row.measured_speedup,
                             f"{name}/measured_predicted_speedup": row.predicted_speedup,
                             f"{name}/heldout_tau": row.tau})
+    if speed and speed.retention_error is not None:
+        summary["final/heldout_retention_error"] = speed.retention_error
     return summary
 
 

@@ -344,14 +344,19 @@ def test_run_resume_and_bad_inputs(pair_dirs, capsys, tmp_path):
             "--min-retention", "0.01", "--no-speedup-stop"]
     assert main(base + ["--layers-to-remove", "1", "--json", "-", "--speed-suite", str(pair_dirs / "prompts.jsonl"),
                         "--speed-prompts", "2"]) == 0
-    state = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    state, captured_err = json.loads(captured.out), captured.err
     assert len(state["history"]) == 1 and state["stopped_by"] == "layer budget"
     # The measured speed check: both drafters exact against ar on the held-out prompts, in the report too.
     speed = state["speed"]
     assert speed["prompts"] == 2 and speed["base"]["exact"] is True and speed["final"]["exact"] is True
     for name in ("base", "final"):
         assert speed[name]["measured_speedup"] > 0 and speed[name]["predicted_speedup"] > 0
-    assert "measured speedup" in (tmp_path / "out" / "report.md").read_text()
+    # ... with the held-out retention's standard error over those prompts
+    tau_ratio = speed["final"]["tau"] / speed["base"]["tau"]
+    assert speed["retention_error"] >= 0 and f"retention {tau_ratio:.4f} +- " in captured_err
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "measured speedup" in report and f"Held-out tau retention {tau_ratio:.4f} +- " in report
     assert (tmp_path / "out" / "step-01" / "prune_report.json").is_file()
     assert "not empty" in error_of(capsys, base + ["--layers-to-remove", "1"])
     assert main(base + ["--layers-to-remove", "1", "--resume"]) == 0

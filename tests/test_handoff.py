@@ -152,12 +152,13 @@ def test_the_summary_shows_held_out_and_measured_numbers_when_the_state_has_them
     state = {"base": {"tau": 5.0, "predicted_speedup": 1.5}, "timing": {"layers": 36}, "stopped_by": "layer budget",
              "history": [{"removed_original": [7, 21], "folder": "step-01", "layers": 34, "tau": 4.8,
                           "predicted_speedup": 1.7}],
-             "speed": {"base": {"tau": 4.0, "measured_speedup": 1.25}, "final": {"tau": 3.9, "measured_speedup": 1.4}}}
+             "speed": {"base": {"tau": 4.0, "measured_speedup": 1.25}, "final": {"tau": 3.9, "measured_speedup": 1.4},
+                       "retention_error": 0.031}}
     save_drafter(build_tiny_drafter(), tmp_path / "step-01", dtype=torch.float16)
     assert summary_lines(state, str(tmp_path)) == [
         "removed 2 of 36 layers (original indices 7, 21) in 1 step; stopped by layer budget",
         "calibration tau: 5.000 -> 4.800 (retention 0.9600)",
-        "held-out tau: 4.000 -> 3.900 (retention 0.9750)",
+        "held-out tau: 4.000 -> 3.900 (retention 0.9750 +- 0.0310)",
         "predicted speedup: 1.50x -> 1.70x",
         "measured speedup: 1.25x -> 1.40x",
         f"pruned drafter: {tmp_path / 'final'} -> step-01 (34 layers, float16)",

@@ -186,8 +186,9 @@ def test_a_previous_state_loads_and_writes_back_the_same_text():
     assert state.timing.layers == 3 and state.timing.pass_times(2).draft_ms == state.timing.draft.at(2)
     assert state.to_dict() == document
     assert state_text(state) == json.dumps(document, indent=2, sort_keys=True) + "\n"
-    with_speed = {**document, "speed": SPEED}
-    assert RunState.from_dict(with_speed).to_dict() == with_speed
+    for speed in (SPEED, {**SPEED, "retention_error": 0.02}):  # a check from before the error, and one with it
+        with_speed = {**document, "speed": speed}
+        assert RunState.from_dict(with_speed).to_dict() == with_speed
     older = {**document, "timing": PRE_COST_MODEL_TIMING}
     for record in older["history"][0]["scores"]:  # layer scores from before the verify-width fields
         for name in ("verify_width", "packed_share", "packed_tokens"):

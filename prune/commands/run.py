@@ -265,7 +265,7 @@ def summary_lines(state: dict, out: str) -> list[str]:
 
     `state`: the run's state as the JSON document `--json` writes (prune.state.RunState.to_dict()), whose
     parts it reads as far as they are there. The tau steps were judged on (check or calibration prompts,
-    prune.state.judged_on) and predicted speedup come from it. Held-out tau and measured speedup are printed when the state holds them: `state["speed"]` = {"base": {...}, "final": {...}}, each with any of
+    prune.state.judged_on) and predicted speedup come from it. Held-out tau and measured speedup are printed when the state holds them: `state["speed"]` = {"base": {...}, "final": {...}, "retention_error": E}, each with any of
     "tau", "predicted_speedup", "measured_speedup" (its predicted speedup, when given, replaces the
     calibration one). Layer indices are 0-based, in the unpruned drafter.
     """
@@ -286,19 +286,23 @@ def summary_lines(state: dict, out: str) -> list[str]:
              f"{len(history)} step{'s' * (len(history) != 1)}; stopped by {state['stopped_by']}"
              if history else f"removed no layer; stopped by {state['stopped_by']}"]
 
-    def before_after(label: str, before, after, digits: int, suffix: str = "", retention: bool = False) -> None:
-        """Add "label: before -> after" (just "before" when no step was taken), if there is a number to show."""
+    def before_after(label: str, before, after, digits: int, suffix: str = "", retention: bool = False,
+                     error: float | None = None) -> None:
+        """Add "label: before -> after" (just "before" when no step was taken), if there is a number to show;
+        with `retention`, the ratio too (and its standard `error` where known)."""
         if before is None and (after is None or not history):
             return
         values = (before, after) if history else (before,)
         text = " -> ".join(number(v, digits, suffix) for v in values)
         if retention and history and before and after is not None:
-            text += f" (retention {after / before:.4f})"
+            within = f" +- {error:.4f}" if error is not None else ""
+            text += f" (retention {after / before:.4f}{within})"
         lines.append(f"{label}: {text}")
 
     judged = judged_on(state.get("config", {}).get("check_prompts"))
     before_after(f"{judged} tau", base["tau"], final.get("tau"), 3, retention=True)
-    before_after("held-out tau", speed_base.get("tau"), speed_final.get("tau"), 3, retention=True)
+    before_after("held-out tau", speed_base.get("tau"), speed_final.get("tau"), 3, retention=True,
+                 error=speed.get("retention_error"))
     predicted = (speed_base, speed_final) if "predicted_speedup" in speed_base | speed_final else (base, final)
     before_after("predicted speedup", *(p.get("predicted_speedup") for p in predicted), 2, "x")
     before_after("measured speedup", speed_base.get("measured_speedup"), speed_final.get("measured_speedup"), 2, "x")
