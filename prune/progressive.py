@@ -199,9 +199,11 @@ def _open_state(run: _Run, resume: bool, timing: Timing | None) -> tuple[RunStat
             raise CheckpointError(f"{out} is not empty: it holds a pruning run; continue it with --resume or "
                                   "choose another --out")
         state = load_state(out)
-        if with_defaults(state.config, config_record(RunConfig())) != config_record(config):
-            raise ConfigError(f"{out} holds a run with other settings; resume it with the same flags or choose "
-                              "another --out")
+        stored, given = with_defaults(state.config, config_record(RunConfig())), config_record(config)
+        if stored != given:
+            differences = "; ".join(setting_differences(stored, given)[:4])
+            raise ConfigError(f"{out} holds a run with other settings ({differences}); resume it with its "
+                              "settings or choose another --out")
         compute = next(drafter.parameters())
         current = load_drafter(out / state.last.folder, compute.dtype, compute.device) if state.history else drafter
         run.log(f"resuming {out} after step {len(state.history)}")
@@ -444,6 +446,19 @@ def with_defaults(stored: dict, defaults: dict) -> dict:
         elif isinstance(value, dict) and isinstance(merged[key], dict):
             merged[key] = with_defaults(merged[key], value)
     return merged
+
+
+def setting_differences(stored: dict, given: dict, prefix: str = "") -> list[str]:
+    """The settings (config_record form, nested names joined by dots) that differ between a saved run and the
+    given flags, as "name: X in the run, Y given"."""
+    lines = []
+    for key in sorted(stored.keys() | given.keys()):
+        before, now = stored.get(key), given.get(key)
+        if isinstance(before, dict) and isinstance(now, dict):
+            lines += setting_differences(before, now, f"{prefix}{key}.")
+        elif before != now:
+            lines.append(f"{prefix}{key}: {before} in the run, {now} given")
+    return lines
 
 
 def _link_final(out: Path, state: RunState) -> None:

@@ -361,7 +361,12 @@ def test_run_resume_and_bad_inputs(pair_dirs, capsys, tmp_path):
     assert "not empty" in error_of(capsys, base + ["--layers-to-remove", "1"])
     assert main(base + ["--layers-to-remove", "1", "--resume"]) == 0
     capsys.readouterr()
-    assert "another --out" in error_of(capsys, base + ["--layers-to-remove", "1", "--seed", "1", "--resume"])
+    refused = error_of(capsys, base + ["--layers-to-remove", "1", "--seed", "1", "--resume"])
+    assert "another --out" in refused
+    assert "(heal.seed: 0 in the run, 1 given; score.seed: 0 in the run, 1 given)" in refused
+    # --check-tokens 0 is the setting of runs saved before the flag: as many tokens as --max-new-tokens
+    refused = error_of(capsys, base + ["--layers-to-remove", "1", "--check-tokens", "0", "--resume"])
+    assert "check_tokens: 128 in the run, None given" in refused
     fresh = [a if a != str(tmp_path / "out") else str(tmp_path / "new") for a in base]
     assert "--layers-to-remove 2" in error_of(capsys, fresh + ["--layers-to-remove", "2"])
     assert "--min-retention" in usage_error_of(capsys, fresh[:-3] + ["--min-retention", "0"])

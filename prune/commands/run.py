@@ -69,10 +69,10 @@ def add_parser(subparsers) -> None:
                         "judged (tau, retention, heals, stop rules): the calibration prompts chose the removed layers "
                         "for measuring well there, so a step reads better on them than it is. Fewer when the source "
                         "runs out; 0: judge on the calibration prompts")
-    parser.add_argument("--check-tokens", type=_types.positive_int, default=RUN["check_tokens"], metavar="N",
+    parser.add_argument("--check-tokens", type=_types.non_negative_int, default=RUN["check_tokens"], metavar="N",
                         help="tokens each check prompt decodes: a step's check tau is the figure every decision "
                         "reads, and longer decodes measure it closer (the calibration prompts decode "
-                        "--max-new-tokens)")
+                        "--max-new-tokens; 0: as many as they, as runs saved before this flag)")
     parser.add_argument("--check-candidates", type=_types.positive_int, default=RUN["check_candidates"], metavar="N",
                         help="with check prompts and --per-step 1: layers a step may try, lowest score first; it "
                         "takes the first that the stop rules accept without a heal, else heals the lowest "
@@ -193,7 +193,7 @@ def run_config(args, decode, healing: bool) -> RunConfig:
         layers_to_remove=args.layers_to_remove, min_retention=args.min_retention, per_step=args.per_step,
         stop_on_speedup=not args.no_speedup_stop, speedup_tolerance=args.speedup_tolerance,
         check_prompts=args.check_prompts, check_candidates=args.check_candidates,
-        check_tokens=args.check_tokens, check_try_discount=args.check_try_discount,
+        check_tokens=args.check_tokens or None, check_try_discount=args.check_try_discount,
         carry_screen=not args.no_carry_screen,
         score=ScoreConfig(criterion=args.criterion, verify=args.verify, decode=decode, seed=args.seed,
                           screen_prompts=args.screen_prompts, screen_keep=args.screen_keep),
