@@ -308,14 +308,14 @@ def _take_step(run: _Run, current, scores: ScoreReport, k: int, state: RunState)
                                 removed.packed_share, removed.packed_tokens)
         else:
             before = run.judge(reduced)
-        record = _step_record(run, state, scores, chosen, before, before, [], False)
+        record = verdict = _step_record(run, state, scores, chosen, before, before, [], False)
         judged = _discounted(run, before, tries=index + 1)
         if judged is not before:
+            verdict = _step_record(run, state, scores, chosen, judged, judged, [], False)
             run.log(f"step {step}: try {index + 1} keeps {record.retention:.2%} of the unpruned {run.judged_on} tau, "
-                    f"judged at {judged.tau / state.base.tau:.2%} (the optimism of the best of {index + 1} reads, "
+                    f"judged at {verdict.retention:.2%} (the optimism of the best of {index + 1} reads, "
                     "--check-try-discount)")
-        if (_stop_rule(run.config, state, _step_record(run, state, scores, chosen, judged, judged, [], False)) is None
-                and not _needs_heal(run, judged.tau, state.base.tau)):
+        if _stop_rule(run.config, state, verdict) is None and not _needs_heal(run, judged.tau, state.base.tau):
             _heal(run, reduced, before, state.base.tau, step)  # says why it is not healed
             return reduced, record
         first = first or (chosen, reduced, before)

@@ -68,7 +68,7 @@ def _speed_lines(speed: SpeedCheck | None) -> list[str]:
             lines.append(f"| {name} | {' | '.join(cells)} | {row.exact} |")
     if speed.base and speed.final and speed.base.tau and speed.retention_error is not None:
         lines += ["", f"Held-out tau retention {speed.final.tau / speed.base.tau:.4f} +- {speed.retention_error:.4f} "
-                  f"(standard error over these {speed.prompts} prompts; the steps were judged on the check prompts)."]
+                  f"(standard error over these {speed.prompts} prompts)."]
     return lines
 
 

@@ -16,6 +16,7 @@ them apart (docs/design.md, Scoring). Settings: prune.config.ScoreConfig; report
 prune.cache.score_key.
 """
 
+import functools
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -234,6 +235,7 @@ def retention_error(candidate: list[float], base: list[float]) -> float:
     return math.sqrt(variance / n) / mean_base
 
 
+@functools.cache
 def expected_best_of(reads: int) -> float:
     """E[max of `reads` independent standard normal draws]: how many standard errors the best of that many
     noisy reads lies above its own true value on average (0 for one read; 0.56, 0.85, 1.03 for 2, 3, 4)."""

@@ -72,7 +72,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--check-tokens", type=_types.non_negative_int, default=RUN["check_tokens"], metavar="N",
                         help="tokens each check prompt decodes: a step's check tau is the figure every decision "
                         "reads, and longer decodes measure it closer (the calibration prompts decode "
-                        "--max-new-tokens; 0: as many as they, as runs saved before this flag)")
+                        "--max-new-tokens; 0: as many as --max-new-tokens, as runs saved before this flag did)")
     parser.add_argument("--check-candidates", type=_types.positive_int, default=RUN["check_candidates"], metavar="N",
                         help="with check prompts and --per-step 1: layers a step may try, lowest score first; it "
                         "takes the first that the stop rules accept without a heal, else heals the lowest "
@@ -265,9 +265,10 @@ def summary_lines(state: dict, out: str) -> list[str]:
 
     `state`: the run's state as the JSON document `--json` writes (prune.state.RunState.to_dict()), whose
     parts it reads as far as they are there. The tau steps were judged on (check or calibration prompts,
-    prune.state.judged_on) and predicted speedup come from it. Held-out tau and measured speedup are printed when the state holds them: `state["speed"]` = {"base": {...}, "final": {...}, "retention_error": E}, each with any of
-    "tau", "predicted_speedup", "measured_speedup" (its predicted speedup, when given, replaces the
-    calibration one). Layer indices are 0-based, in the unpruned drafter.
+    prune.state.judged_on) and predicted speedup come from it. Held-out tau and measured speedup are printed
+    when the state holds them: `state["speed"]` = {"base": {...}, "final": {...}, "retention_error": E}, each
+    row with any of "tau", "predicted_speedup", "measured_speedup" (its predicted speedup, when given, replaces
+    the calibration one). Layer indices are 0-based, in the unpruned drafter.
     """
     from pathlib import Path
 
