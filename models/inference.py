@@ -76,16 +76,17 @@ class TransformersDecoder:
         return torch.tanh(logits / cap) * cap if cap else logits
 
 
-def decoder_runner(model: torch.nn.Module, lean: bool = True):
+def decoder_runner(model: torch.nn.Module, lean: bool = True, fused: bool = False):
     """The fastest runner for `model`'s decoder stack: `LeanDecoder` where it applies, else transformers'.
-    A frozen target's runner comes from `target_runner`, which also picks the form of its products.
+    A frozen target's runner comes from `target_runner`, which also picks the form of its products; a
+    drafter's runs `fused` (models.lean.LeanDecoder).
 
     Both run `forward(input_ids (batch, Q), positions (batch, Q), mask (batch, 1, Q, cache + Q) | None,
     cache, lengths=None, packed_index=None) -> hidden (batch, Q, hidden_size)` over a cache from their
     `new_cache(rows)`.
     """
     if lean and LeanDecoder.supports(model):
-        return LeanDecoder(model)
+        return LeanDecoder(model, fused=fused)
     return TransformersDecoder(model)
 
 

@@ -11,6 +11,10 @@ projections and the default or scaled RoPE of the model's own rotary module. `Le
 says whether a model qualifies; callers fall back to the transformers forward otherwise (adapters
 attached, other architectures). Numerics follow transformers' order of operations (norms in float32,
 RoPE after the q/k norms); results match the transformers forward to float rounding, not bit for bit.
+
+A drafter's passes may run the layers in a `fused` form instead (docs/speed.md, The drafter's fused form):
+the same function in fewer operations, for a model whose outputs need not follow transformers' order of
+operations (a drafter proposes; the target's verification alone decides the output).
 """
 
 import weakref
@@ -148,6 +152,68 @@ def _products(module: torch.nn.Module) -> list[tuple[tuple[torch.Tensor, ...], t
             ((mlp.down_proj.weight,), (None,))]
 
 
+class _FusedLayer(NamedTuple):
+    """One decoder layer in the fused form (`LeanDecoder`, `fused`): plain `(in, out)` matrices for
+    `torch.mm` / `torch.addmm`, norm weights folded in."""
+
+    qkv: torch.Tensor  # (hidden, 2 * (heads + kv_heads) * head_dim + kv_heads * head_dim), see `_fused_layer`
+    qkv_bias: torch.Tensor | None  # (same width,) or None
+    o: torch.Tensor  # (heads * head_dim, hidden)
+    gate_up: torch.Tensor  # (hidden, 2 * intermediate), the post-attention norm's weight folded in
+    down: torch.Tensor  # (intermediate, hidden)
+    rope_weights: torch.Tensor | None  # (2, heads + kv_heads, head_dim): q/k norm weights, plain and rotated
+
+
+def _rotate_half_index(head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's rotate-half as a signed permutation: `rotate_half(x)[..., i] == sign[i] * x[..., source[i]]`."""
+    half = head_dim // 2
+    source = torch.cat([torch.arange(half, head_dim), torch.arange(half)])
+    sign = torch.cat([-torch.ones(half), torch.ones(half)])
+    return source, sign
+
+
+def _fused_layer(module: torch.nn.Module, heads: int, kv_heads: int, head_dim: int) -> _FusedLayer:
+    """`module`'s weights in the fused form.
+
+    The q/k/v product also yields the rotated halves RoPE needs: `rotate_half` is a signed permutation of
+    each head's dimensions, so permuting (and negating) the q and k rows of the matrix gives
+    `rotate_half(q)` and `rotate_half(k)` from the same product. The per-head q/k RMS norm commutes with it
+    up to its weight (the norm of a head is unchanged by the permutation), which is why the weights are kept
+    apart, permuted alike for the sine term (`rope_weights`). An RMS norm's weight folds into the columns of
+    the product that reads the norm's output: `(x * s * w) @ W.T == (x * s) @ (W * w).T`."""
+    attn, mlp = module.self_attn, module.mlp
+    hidden = attn.q_proj.weight.shape[1]
+    source, sign = _rotate_half_index(head_dim)
+    qk = torch.cat([attn.q_proj.weight, attn.k_proj.weight]).view(heads + kv_heads, head_dim, hidden)
+    rotated = qk[:, source] * sign[:, None].to(qk.dtype)
+    qkv = torch.cat([qk.flatten(0, 1), rotated.flatten(0, 1), attn.v_proj.weight])
+    qkv = (qkv * module.input_layernorm.weight).t().contiguous()
+    bias = None
+    if attn.q_proj.bias is not None:
+        bias_qk = torch.cat([attn.q_proj.bias, attn.k_proj.bias]).view(heads + kv_heads, head_dim)
+        bias = torch.cat([bias_qk.flatten(), (bias_qk[:, source] * sign.to(bias_qk.dtype)).flatten(),
+                          attn.v_proj.bias])
+    gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]) * module.post_attention_layernorm.weight
+    rope_weights = None
+    if hasattr(attn, "q_norm"):
+        norms = torch.cat([attn.q_norm.weight.expand(heads, head_dim), attn.k_norm.weight.expand(kv_heads, head_dim)])
+        rope_weights = torch.stack([norms, norms[:, source]])
+    return _FusedLayer(qkv, bias, attn.o_proj.weight.t().contiguous(), gate_up.t().contiguous(),
+                       mlp.down_proj.weight.t().contiguous(), rope_weights)
+
+
+def _layer_weights(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Every tensor of a decoder layer that the fused form derives from (the key of its cached copies)."""
+    return [p for p in module.parameters() if p is not None]
+
+
+def _inverse_rms(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """`1 / sqrt(mean(x**2) + eps)` over the last dimension, `(..., 1)`: a vector norm and two small operations
+    (torch's RMS norm is about seven operations on a CPU); `eps` a 0-dim tensor."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return torch.rsqrt(torch.addcmul(eps, norm, norm, value=1.0 / x.shape[-1]))
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS norm of `x` over its last dimension, scaled by `weight` `(width,)`, or `(..., width)` where rows of
     `x` have weights of their own (stacked q and k heads)."""
@@ -186,12 +252,19 @@ class LeanDecoder:
             library reads the weights in place at any shape, and stacked copies of a large target's q/k/v
             and gate/up would add over half of its weights to device memory; there the products read the
             model's own weights (no copy; weight changes are seen).
+        fused: run the layers in the fused form (`_fused_layer`; docs/speed.md, The drafter's fused form):
+            norm weights folded into the products, RoPE's rotated halves made by the q/k/v product, RMS
+            norms as vector norms, residual additions inside the products (`addmm`). About half the
+            operations of a layer, on derived copies of its weights on any device (`copies` and
+            `packed_from` then apply to the lm_head only). The same function to float rounding, in another
+            order of operations: for drafters, never for a target whose outputs are checked against ar.
 
     The matrices are derived from the model's weights when the decoder is built (`stacked`, cached per
     model): weights changed afterwards are not seen; build a new LeanDecoder.
     """
 
-    def __init__(self, model: torch.nn.Module, packed_from: int | None = None, copies: bool | None = None):
+    def __init__(self, model: torch.nn.Module, packed_from: int | None = None, copies: bool | None = None,
+                 fused: bool = False):
         if not self.supports(model):
             raise ValueError(f"{type(model).__name__} is not supported by the lean forward")
         self.model = model
@@ -211,7 +284,9 @@ class LeanDecoder:
         self.copies = self.device.type == "cpu" if copies is None else copies
         can_pack = self.copies and can_prepack(self.device, self.dtype)
         self.packed_from = packed_from if can_pack else None
-        self.layers = self._layers(model)
+        self.fused = fused
+        self.layers = self._fused_layers(model) if fused else self._layers(model)
+        self._eps = torch.tensor(self.eps, dtype=self.dtype, device=self.device)  # `_inverse_rms` reads a tensor
         head = model.lm_head.weight
         self.head = _Matrix(None, stacked(model, "head", [(head,)], packed=True)[0] if can_pack else None)
         self.head_packed_from = (1 if self.packed_from == 1 else 2) if can_pack else None
@@ -240,6 +315,13 @@ class LeanDecoder:
             layers.append(_Layer(module.input_layernorm.weight, next(matrices), qk_norm, next(matrices),
                                  module.post_attention_layernorm.weight, next(matrices), next(matrices)))
         return layers
+
+    def _fused_layers(self, model: torch.nn.Module) -> list[_FusedLayer]:
+        """The model's layers in the fused form, derived once per model while its weights are unchanged."""
+        modules = list(model.model.layers)
+        weights = [w.detach() for module in modules for w in _layer_weights(module)]
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim)
+        return _derived(model, ("fused",), weights, lambda: [_fused_layer(m, *shape) for m in modules])
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -310,23 +392,50 @@ class LeanDecoder:
         # Grouped-query heads folded onto their key/value head (see `_attend`) see the mask once per head.
         folded = self.group if self.group > 1 and not causal else 1
         attend_mask = mask.repeat(1, 1, folded, 1) if folded > 1 and mask is not None else mask
-        packed_from = self.packed_from
-        for index, w in enumerate(self.layers):
-            attn = self._attention(index, w, _rms_norm(hidden, w.input_norm, self.eps), cos, sin, ragged,
-                                   attend_mask, causal, folded, cache)
-            hidden = hidden + w.o(attn, packed_from)
-            x = _rms_norm(hidden, w.post_norm, self.eps)
-            gate, up = w.gate_up(x, packed_from).chunk(2, dim=-1)  # SwiGLU
-            hidden = hidden + w.down(F.silu(gate) * up, packed_from)
+        attend = (ragged, attend_mask, causal, folded, cache)
+        if self.fused:
+            hidden = self._fused_stack(hidden, cos, sin, attend)
+        else:
+            packed_from = self.packed_from
+            for index, w in enumerate(self.layers):
+                attn = self._attention(index, w, _rms_norm(hidden, w.input_norm, self.eps), cos, sin, attend)
+                hidden = hidden + w.o(attn, packed_from)
+                x = _rms_norm(hidden, w.post_norm, self.eps)
+                gate, up = w.gate_up(x, packed_from).chunk(2, dim=-1)  # SwiGLU
+                hidden = hidden + w.down(F.silu(gate) * up, packed_from)
         cache.advance(q_len)
         return ragged.unpack(_rms_norm(hidden, self.final_norm, self.eps))
 
+    def _fused_stack(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: tuple) -> torch.Tensor:
+        """The layers in the fused form (`_fused_layer`) for tokens `hidden` `(*tokens, hidden_size)`, RoPE
+        tables `cos`/`sin` `(*tokens, 1, head_dim)`; `attend` as `_attend_cached` takes it."""
+        tokens, width = hidden.shape[:-1], hidden.shape[-1]
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qk_width = (heads + kv_heads) * head_dim
+        cos_sin = torch.stack([cos, sin], dim=-3)  # (*tokens, 2, 1, head_dim)
+        hidden = hidden.reshape(-1, width)
+        for index, w in enumerate(self.layers):
+            x = hidden * _inverse_rms(hidden, self._eps)
+            qkv = torch.mm(x, w.qkv) if w.qkv_bias is None else torch.addmm(w.qkv_bias, x, w.qkv)
+            # (*tokens, 2, heads + kv_heads, head_dim): q and k, then rotate_half(q) and rotate_half(k)
+            halves = qkv[:, : 2 * qk_width].view(*tokens, 2, heads + kv_heads, head_dim)
+            if w.rope_weights is None:
+                qk = (halves * cos_sin).sum(-3)
+            else:  # RMS norm per head: its weight rides with the RoPE tables, its scale applies after
+                qk = (halves * (cos_sin * w.rope_weights)).sum(-3).mul_(_inverse_rms(halves[..., 0, :, :], self._eps))
+            q, k = qk.split([heads, kv_heads], dim=-2)
+            v = qkv[:, 2 * qk_width :].view(*tokens, kv_heads, head_dim)
+            attn = self._attend_cached(index, q, k, v, *attend).reshape(-1, heads * head_dim)
+            hidden = torch.addmm(hidden, attn, w.o)
+            x = hidden * _inverse_rms(hidden, self._eps)
+            gate, up = torch.mm(x, w.gate_up).chunk(2, dim=-1)  # SwiGLU
+            hidden = torch.addmm(hidden, F.silu(gate) * up, w.down)
+        return hidden.view(*tokens, width)
+
     def _attention(self, index: int, w: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   ragged: "_Ragged", mask: torch.Tensor | None, causal: bool, folded: int,
-                   cache: StaticKV) -> torch.Tensor:
+                   attend: tuple) -> torch.Tensor:
         """Self-attention of layer `index` for tokens `x` `(*tokens, hidden_size)` (packed or padded as
-        `ragged` says); returns `(*tokens, heads * head_dim)`, before the output projection. `mask` is the
-        pass's mask repeated `folded` times along the query dimension (see `_attend`)."""
+        `attend`'s ragged says); returns `(*tokens, heads * head_dim)`, before the output projection."""
         tokens = x.shape[:-1]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         qk, v = w.qkv(x, self.packed_from).split([(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1)
@@ -337,6 +446,14 @@ class LeanDecoder:
             qk = _rms_norm(qk, w.qk_norm, self.eps)
         q, k = _rotate(qk, cos, sin).split([heads, kv_heads], dim=-2)
         v = v.reshape(*tokens, kv_heads, head_dim)
+        return self._attend_cached(index, q, k, v, *attend)
+
+    def _attend_cached(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ragged: "_Ragged",
+                       mask: torch.Tensor | None, causal: bool, folded: int, cache: StaticKV) -> torch.Tensor:
+        """Attention of layer `index`: queries `q` `(*tokens, heads, head_dim)` over the cache after this
+        pass's keys and values `k`/`v` `(*tokens, kv_heads, head_dim)` are written to it; returns `(*tokens,
+        heads * head_dim)`. `mask` is the pass's mask repeated `folded` times along the query dimension
+        (see `_attend`)."""
         # Attention needs the rows' (batch, heads, Q, head_dim) layout; the cache stores every slot.
         q, k, v = (ragged.unpack(t).transpose(1, 2) for t in (q, k, v))
         keys, values = cache.write(index, k, v)

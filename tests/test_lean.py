@@ -32,11 +32,12 @@ def tiny_qwen2():
 MODELS = {"llama": tiny_target, "qwen3 drafter": build_tiny_drafter, "qwen2": tiny_qwen2}
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["exact order", "fused"])
 @pytest.mark.parametrize("name", MODELS)
 @torch.inference_mode()
-def test_lean_matches_transformers_causal_with_cache(name):
+def test_lean_matches_transformers_causal_with_cache(name, fused):
     model = MODELS[name]()
-    lean = LeanDecoder(model)
+    lean = LeanDecoder(model, fused=fused)
     ids = torch.tensor([prompt_ids(11, seed=1)])
     positions = torch.arange(11)[None]
     want = model.model(input_ids=ids, position_ids=positions).last_hidden_state
@@ -51,21 +52,23 @@ def test_lean_matches_transformers_causal_with_cache(name):
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["exact order", "fused"])
 @torch.inference_mode()
-def test_lean_matches_transformers_on_a_batched_block_layout():
+def test_lean_matches_transformers_on_a_batched_block_layout(fused):
     model = build_tiny_drafter(block_size=4)
     layouts = [block_layout(0, 5, [BlockSpec(4), BlockSpec(2, guess=7)], 4), block_layout(0, 3, [BlockSpec(2)], 4)]
     batched = batch_layouts(layouts, 0, torch.float32, "cpu")
     ids = torch.randint(0, 97, (2, batched.query_len), generator=torch.Generator().manual_seed(0))
-    lean, reference = LeanDecoder(model), TransformersDecoder(model)
+    lean, reference = LeanDecoder(model, fused=fused), TransformersDecoder(model)
     got = lean.forward(ids, batched.positions, batched.mask, lean.new_cache(2))
     want = reference.forward(ids, batched.positions, batched.mask, reference.new_cache(2))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["exact order", "fused"])
 @torch.inference_mode()
-def test_ragged_rows_skip_the_padding_and_match_the_padded_forward():
+def test_ragged_rows_skip_the_padding_and_match_the_padded_forward(fused):
     """With `lengths`, the products run on the real tokens only: real positions match the padded forward,
     padded ones are zeros, and the cache is the same at every real slot (a second pass reads it)."""
     model = build_tiny_drafter(block_size=4)
@@ -74,7 +77,7 @@ def test_ragged_rows_skip_the_padding_and_match_the_padded_forward():
     lengths = [layout.query_len for layout in layouts]
     assert lengths[1] < batched.query_len  # the second row is padded
     ids = torch.randint(0, 97, (2, batched.query_len), generator=torch.Generator().manual_seed(0))
-    lean = LeanDecoder(model)
+    lean = LeanDecoder(model, fused=fused)
     padded_cache, ragged_cache = lean.new_cache(2), lean.new_cache(2)
     want = lean.forward(ids, batched.positions, batched.mask, padded_cache)
     got = lean.forward(ids, batched.positions, batched.mask, ragged_cache, lengths=lengths)
@@ -238,6 +241,28 @@ def test_stacked_products_are_rebuilt_when_a_weight_changes():
     want = model.model(input_ids=ids, position_ids=positions).last_hidden_state
     torch.testing.assert_close(after, want, atol=1e-5, rtol=1e-5)
     assert (after - before).abs().max() > 1e-3
+
+
+@torch.inference_mode()
+def test_the_fused_form_follows_every_weight_it_folds():
+    """The fused form folds norm weights into its products (models.lean._fused_layer): a decoder built after
+    any of them changes in place (a heal merges through `.data`) computes the changed model, logits
+    included; drafters run it, targets never do."""
+    model = build_tiny_drafter(block_size=4)
+    ids, positions = torch.tensor([prompt_ids(9, seed=5)]), torch.arange(9)[None]
+
+    def logits(lean):
+        return lean.logits(lean.forward(ids, positions, None, lean.new_cache(1)))
+
+    before = logits(LeanDecoder(model, fused=True))
+    layer = model.model.layers[1]
+    for weight in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                   layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight):
+        weight.data.mul_(torch.linspace(0.5, 1.5, weight.numel()))
+    after = logits(LeanDecoder(model, fused=True))
+    torch.testing.assert_close(after, model(input_ids=ids, position_ids=positions).logits, atol=1e-4, rtol=1e-4)
+    assert (after - before).abs().max() > 1e-3
+    assert DraftEngine(model).runner.fused and not target_runner(tiny_target()).fused
 
 
 @pytest.mark.parametrize("packed_from", [None, 1, 2, "no copies"])
