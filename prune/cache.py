@@ -78,11 +78,12 @@ def pass_times_key(drafter, target, decode) -> str:
     decoder settings that shape the passes and the machine (its GPU's name where the target is on one). v4:
     the ar step is read off the verify line (decode.timing.verify_line); v5: the lean forward's stacked
     products (models.lean.stacked) and the target's measured choice of them changed every pass time, and
-    the target's one-token step is measured apart from wider passes (PassTimes.step_ms). Older records are
-    measured again."""
+    the target's one-token step is measured apart from wider passes (PassTimes.step_ms); v6: the drafter's
+    fused form (models.lean.LeanDecoder, `fused`) and grouped top-k (decode.engine.top_k) changed its pass
+    times. Older records are measured again."""
     device = next(target.parameters()).device
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    return fingerprint("pass-times v5", *model_identity(drafter), *model_identity(target), torch.get_num_threads(),
+    return fingerprint("pass-times v6", *model_identity(drafter), *model_identity(target), torch.get_num_threads(),
                        decode.packed_budget, decode.draft_threads, decode.block_size, platform.machine(),
                        platform.processor(), gpu, torch.__version__)
 
