@@ -32,12 +32,16 @@ def tiny_qwen2():
 MODELS = {"llama": tiny_target, "qwen3 drafter": build_tiny_drafter, "qwen2": tiny_qwen2}
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["exact order", "fused"])
+@pytest.mark.parametrize("fused", [False, True, "rotated apart"], ids=["exact order", "fused", "fused, rotated apart"])
 @pytest.mark.parametrize("name", MODELS)
 @torch.inference_mode()
-def test_lean_matches_transformers_causal_with_cache(name, fused):
+def test_lean_matches_transformers_causal_with_cache(name, fused, monkeypatch):
+    """Every form computes the model; the fused form's long passes rotate q and k outside the product
+    (`ROTATION_IN_PRODUCT_TOKENS`), here every pass of the third case."""
+    if fused == "rotated apart":
+        monkeypatch.setattr(models.lean, "ROTATION_IN_PRODUCT_TOKENS", 0)
     model = MODELS[name]()
-    lean = LeanDecoder(model, fused=fused)
+    lean = LeanDecoder(model, fused=bool(fused))
     ids = torch.tensor([prompt_ids(11, seed=1)])
     positions = torch.arange(11)[None]
     want = model.model(input_ids=ids, position_ids=positions).last_hidden_state
