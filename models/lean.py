@@ -216,10 +216,11 @@ def _layer_weights(module: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def _inverse_rms(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """`1 / sqrt(mean(x**2) + eps)` over the last dimension, `(..., 1)`: a vector norm and two small operations
-    (torch's RMS norm is about seven operations on a CPU); `eps` a 0-dim tensor."""
-    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-    return torch.rsqrt(torch.addcmul(eps, norm, norm, value=1.0 / x.shape[-1]))
+    """`1 / sqrt(mean(x**2) + eps)` over the last dimension, `(..., 1)` in `x`'s dtype: a vector norm and two
+    small operations (torch's RMS norm is about seven operations on a CPU); `eps` a float32 0-dim tensor.
+    Computed in float32, as transformers' norms are: in float16 a mean square overflows from an RMS of 256 on."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+    return torch.rsqrt(torch.addcmul(eps, norm, norm, value=1.0 / x.shape[-1])).to(x.dtype)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -294,7 +295,7 @@ class LeanDecoder:
         self.packed_from = packed_from if can_pack else None
         self.fused = fused
         self.layers = self._fused_layers(model) if fused else self._layers(model)
-        self._eps = torch.tensor(self.eps, dtype=self.dtype, device=self.device)  # `_inverse_rms` reads a tensor
+        self._eps = torch.tensor(self.eps, dtype=torch.float32, device=self.device)  # as `_inverse_rms` takes it
         head = model.lm_head.weight
         self.head = _Matrix(None, stacked(model, "head", [(head,)], packed=True)[0] if can_pack else None)
         self.head_packed_from = (1 if self.packed_from == 1 else 2) if can_pack else None

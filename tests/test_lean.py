@@ -269,6 +269,15 @@ def test_the_fused_form_follows_every_weight_it_folds():
     assert DraftEngine(model).runner.fused and not target_runner(tiny_target()).fused
 
 
+def test_the_fused_norm_scale_is_computed_in_float32():
+    """The fused form's RMS scale (models.lean._inverse_rms) is computed in float32, as transformers' norms
+    are: in float16 the mean square of a state of RMS 1000 (1e6) overflows, which would zero the layer's input."""
+    x = torch.full((3, 64), 1000.0, dtype=torch.float16)
+    scale = models.lean._inverse_rms(x, torch.tensor(1e-6))
+    assert scale.dtype == torch.float16 and scale.shape == (3, 1)
+    torch.testing.assert_close(scale.float(), torch.full((3, 1), 1e-3), rtol=1e-3, atol=0)
+
+
 @pytest.mark.parametrize("packed_from", [None, 1, 2, "no copies"])
 @pytest.mark.parametrize("name", MODELS)
 @torch.inference_mode()
