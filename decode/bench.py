@@ -49,7 +49,7 @@ from models.precision import dtype_name
 from . import cost, registry
 from .config import BaselineConfig, BenchConfig, DecodeConfig
 from .decoders import DECODERS, DecodeResult, decode_one, decode_speculative
-from .metrics import summarize
+from .metrics import paired_ratio_error, summarize
 from .prompts import Prompt
 from .registry import BASELINE, SPECULATIVE, check_decoder_names
 from .verifiers import ReplayVerifier
@@ -107,7 +107,8 @@ def run_bench(drafters: list[tuple[str, torch.nn.Module]], target, prompts: list
             policy); drafters not named use `config.decode`.
         times_by_drafter: per drafter name, its measured decode.cost.PassTimes: its rows then report
             `predicted_speedup` (the cost model at the row's measured tau, verify width and fallback rate)
-            beside the measured `speedup_vs_ar`, and `speedup_limit` (tau x T_ar / T_verify).
+            beside the measured `speedup_vs_ar` (with `speedup_error`, its standard error over the prompts,
+            paired with ar's decode times), and `speedup_limit` (tau x T_ar / T_verify).
 
     Returns:
         (report, outputs): the JSON-ready report (layout in the module docstring) and
@@ -237,6 +238,12 @@ def _summary(results: list[DecodeResult], ar: list[DecodeResult], ar_summary: di
     base = (ar_summary or summary)["time_per_token_ms"]
     own = summary["time_per_token_ms"]
     summary["speedup_vs_ar"] = base / own if timed and base and own else None
+    summary["speedup_error"] = None
+    if summary["speedup_vs_ar"] is not None and ar_summary is not None:
+        # ar's and this decoder's decode times of the same prompts, paired; the tokens' ratio turns the ratio
+        # of times into one of times per token (1 where the outputs are ar's)
+        tokens = sum(r.timed_tokens for r in results) / sum(r.timed_tokens for r in ar)
+        summary["speedup_error"] = tokens * paired_ratio_error([r.decode_s for r in ar], [r.decode_s for r in results])
     return summary
 
 

@@ -6,9 +6,23 @@ convention), `tau_micro` pools every round. Time per token is total decode time 
 both measured on the same prompts.
 """
 
+import math
 from statistics import mean
 
 from .decoders import DecodeResult
+
+
+def paired_ratio_error(numerators: list[float], denominators: list[float]) -> float:
+    """Standard error of mean(numerators) / mean(denominators), the two measured on the same prompts (paired;
+    delta method): 0.0 with fewer than two prompts. A held-out tau retention (candidate over base taus) and a
+    measured speedup (ar's decode times over a decoder's) are such ratios."""
+    n = len(denominators)
+    if n < 2 or len(numerators) != n or sum(denominators) <= 0:
+        return 0.0
+    mean_denominator = sum(denominators) / n
+    ratio = sum(numerators) / n / mean_denominator
+    variance = sum((a - ratio * b) ** 2 for a, b in zip(numerators, denominators)) / (n - 1)
+    return math.sqrt(variance / n) / mean_denominator
 
 
 def tau_per_prompt(results: list[DecodeResult]) -> list[float]:

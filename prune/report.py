@@ -10,7 +10,7 @@ from pathlib import Path
 from models.checkpoint import atomic_file, atomic_write_text
 
 from .state import RunState, SpeedCheck
-from .text import number
+from .text import number, plus_minus
 
 
 def write_report(out, state: RunState) -> list[Path]:
@@ -63,8 +63,9 @@ def _speed_lines(speed: SpeedCheck | None) -> list[str]:
              "| drafter | tau | measured speedup | predicted speedup | limit | exact |", "|---|---|---|---|---|---|"]
     for name, row in (("unpruned", speed.base), ("final", speed.final)):
         if row is not None:
-            cells = [number(row.tau, 3)] + [number(v, 2, "x") for v in
-                                            (row.measured_speedup, row.predicted_speedup, row.speedup_limit)]
+            measured = number(row.measured_speedup, 2, "x") + plus_minus(row.measured_speedup_error)
+            cells = [number(row.tau, 3), measured] + [number(v, 2, "x") for v in (row.predicted_speedup,
+                                                                                row.speedup_limit)]
             lines.append(f"| {name} | {' | '.join(cells)} | {row.exact} |")
     if speed.base and speed.final and speed.base.tau and speed.retention_error is not None:
         lines += ["", f"Held-out tau retention {speed.final.tau / speed.base.tau:.4f} +- {speed.retention_error:.4f} "

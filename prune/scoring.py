@@ -26,7 +26,7 @@ import torch
 from decode import cost
 from decode.config import DecodeConfig
 from decode.decoders import DecodeResult, decode_ar, decode_speculative
-from decode.metrics import summarize
+from decode.metrics import paired_ratio_error, summarize
 from decode.timing import drafter_pass_ms, measure_pass_times
 from decode.verifiers import LiveVerifier, ReplayVerifier
 from models.errors import ConfigError
@@ -225,14 +225,8 @@ def bootstrap_interval(deltas: list[float], resamples: int, confidence: float, s
 
 def retention_error(candidate: list[float], base: list[float]) -> float:
     """Standard error of the retention mean(candidate) / mean(base), the two measured on the same prompts
-    (per-prompt tau, paired; delta method): 0.0 with fewer than two prompts."""
-    n = len(base)
-    if n < 2 or len(candidate) != n or sum(base) <= 0:
-        return 0.0
-    mean_base = sum(base) / n
-    ratio = sum(candidate) / n / mean_base
-    variance = sum((c - ratio * b) ** 2 for c, b in zip(candidate, base)) / (n - 1)
-    return math.sqrt(variance / n) / mean_base
+    (per-prompt tau, paired; decode.metrics.paired_ratio_error): 0.0 with fewer than two prompts."""
+    return paired_ratio_error(candidate, base)
 
 
 @functools.cache

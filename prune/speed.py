@@ -43,7 +43,7 @@ def measure_speed(state: RunState, out, drafter, target, prompts, decode, source
     for name, decoders in rows.items():
         row = decoders["async"]
         setattr(speed, name, SpeedRow(row["tau_macro"], row["speedup_vs_ar"], row.get("predicted_speedup"),
-                                      row.get("speedup_limit"), row["exact_match_vs_ar"]))
+                                      row.get("speedup_limit"), row["exact_match_vs_ar"], row.get("speedup_error")))
     if "final" in rows:
         speed.retention_error = retention_error(rows["final"]["async"]["tau_per_prompt"],
                                                 rows["base"]["async"]["tau_per_prompt"])

@@ -204,6 +204,8 @@ class SpeedRow:
         tau: held-out tau (macro mean); measured_speedup: time per token of ar / of async, interleaved;
         predicted_speedup: the cost model at this check's tau, verify width and fallback rate;
         speedup_limit: tau x T_ar / T_verify; exact: every async output equals ar's.
+        measured_speedup_error: the standard error of measured_speedup over the check's prompts (per-prompt
+            decode times paired with ar's, decode.metrics.paired_ratio_error; None in checks saved before it).
     """
 
     tau: float | None
@@ -211,6 +213,7 @@ class SpeedRow:
     predicted_speedup: float | None
     speedup_limit: float | None
     exact: bool | None
+    measured_speedup_error: float | None = None
 
 
 @dataclass
@@ -235,7 +238,10 @@ class SpeedCheck:
 
     def to_dict(self) -> dict:
         record = {"prompts": self.prompts, "source": self.source, "max_new_tokens": self.max_new_tokens}
-        record.update({name: asdict(row) for name, row in (("base", self.base), ("final", self.final)) if row})
+        for name, row in (("base", self.base), ("final", self.final)):
+            if row:  # a check saved before the speedup's error writes back without it
+                record[name] = {key: value for key, value in asdict(row).items()
+                                if value is not None or key != "measured_speedup_error"}
         if self.retention_error is not None:
             record["retention_error"] = self.retention_error
         return record

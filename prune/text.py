@@ -11,3 +11,8 @@ def number(value, digits: int = 2, suffix: str = "", whole: bool = False) -> str
     if isinstance(value, float) or (isinstance(value, int) and not whole):
         return f"{value:.{digits}f}{suffix}"
     return f"{value}{suffix}"
+
+
+def plus_minus(error: float | None, digits: int = 2) -> str:
+    """" +- error" with `digits` decimals, or "" when the error is unknown (a standard error beside a number)."""
+    return "" if error is None else f" +- {error:.{digits}f}"

@@ -53,9 +53,11 @@ METRICS = {
     "final/predicted_speedup": "summary: its predicted speedup",
     "final/layers": "summary: layers left",
     "base/measured_speedup": "summary: unpruned async speedup over ar, measured on held-out prompts (prune.speed)",
+    "base/measured_speedup_error": "summary: its standard error over those prompts (paired with ar's times)",
     "base/measured_predicted_speedup": "summary: the cost model's speedup for that measurement",
     "base/heldout_tau": "summary: unpruned tau on the held-out prompts of the speed check",
     "final/measured_speedup": "summary: final async speedup over ar, measured beside the unpruned one",
+    "final/measured_speedup_error": "summary: its standard error over those prompts (paired with ar's times)",
     "final/measured_predicted_speedup": "summary: the cost model's speedup for that measurement",
     "final/heldout_tau": "summary: final tau on the held-out prompts of the speed check",
     "final/heldout_retention_error": "summary: standard error of final / unpruned held-out tau over those prompts",
@@ -315,6 +317,7 @@ def _summary(state: RunState) -> dict:
     for name, row in (("base", speed and speed.base), ("final", speed and speed.final)):
         if row:
             summary.update({f"{name}/measured_speedup": row.measured_speedup,
+                            f"{name}/measured_speedup_error": row.measured_speedup_error,
                             f"{name}/measured_predicted_speedup": row.predicted_speedup,
                             f"{name}/heldout_tau": row.tau})
     if speed and speed.retention_error is not None:

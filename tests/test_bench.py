@@ -57,3 +57,26 @@ def test_target_only_bench_without_drafters():
     assert report["decoders"]["generate"]["exact_match_vs_ar"] is True and report["settings"]["drafter"] is None
     with pytest.raises(ConfigError, match="needs a drafter"):
         run_bench([], target, prompts, BenchConfig(DecodeConfig(max_new_tokens=8), ("ar", "sync")))
+
+
+def test_the_measured_speedup_carries_its_standard_error_over_the_prompts():
+    """speedup = ar's time per token over the decoder's; its error pairs each prompt's two decode times
+    (decode.metrics.paired_ratio_error): none where every prompt gains alike, and as large as the spread of
+    the per-prompt gains otherwise (checked against the closed form for two prompts)."""
+    from decode.bench import _summary
+    from decode.decoders import DecodeResult
+
+    def results(decoder, seconds):
+        return [DecodeResult(decoder, 3, list(range(11)), decode_s=s) for s in seconds]
+
+    config = BenchConfig(decode=DecodeConfig(max_new_tokens=10))
+    ar = results("ar", [2.0, 4.0])
+    ar_summary = _summary(ar, ar, None, None, config, untimed=False, timed=True)
+    assert ar_summary["speedup_vs_ar"] == 1.0 and ar_summary["speedup_error"] is None
+    even = _summary(results("sync", [1.0, 2.0]), ar, ar_summary, None, config, untimed=False, timed=True)
+    assert even["speedup_vs_ar"] == pytest.approx(2.0) and even["speedup_error"] == pytest.approx(0.0, abs=1e-12)
+    uneven = _summary(results("sync", [1.0, 4.0]), ar, ar_summary, None, config, untimed=False, timed=True)
+    # R = 6 / 5; residuals 2 - 1.2 = 0.8 and 4 - 4.8 = -0.8; sqrt(1.28 / 2) / 2.5 = 0.32
+    assert uneven["speedup_vs_ar"] == pytest.approx(1.2) and uneven["speedup_error"] == pytest.approx(0.32)
+    replayed = _summary(results("sync", [1.0, 4.0]), ar, ar_summary, None, config, untimed=False, timed=False)
+    assert replayed["speedup_vs_ar"] is None and replayed["speedup_error"] is None

@@ -50,6 +50,7 @@ def test_bench_json_report(pair_dirs, capsys, tmp_path):
         for key in ("tau_macro", "tau_micro", "tokens_per_s", "time_per_token_ms", "speedup_vs_ar",
                     "acceptance_histogram", "per_position_acceptance"):
             assert key in entry
+        assert entry["speedup_error"] >= 0  # over the 3 prompts, ar's decode times paired with this decoder's
         # the measured round and the modelled one, in the units the prediction is made of
         assert entry["round_ms"] == pytest.approx(1000 * entry["decode_s"] / entry["rounds"])
         ar_ms = next(iter(report["settings"]["pass_times"].values()))["ar_ms"]
@@ -352,6 +353,9 @@ def test_run_resume_and_bad_inputs(pair_dirs, capsys, tmp_path):
     assert speed["prompts"] == 2 and speed["base"]["exact"] is True and speed["final"]["exact"] is True
     for name in ("base", "final"):
         assert speed[name]["measured_speedup"] > 0 and speed[name]["predicted_speedup"] > 0
+        assert speed[name]["measured_speedup_error"] >= 0  # two prompts: a standard error of their paired times
+    measured = next(line for line in captured_err.splitlines() if line.startswith("measured speedup: "))
+    assert measured.count(" +- ") == 2, measured
     # ... with the held-out retention's standard error over those prompts
     tau_ratio = speed["final"]["tau"] / speed["base"]["tau"]
     assert speed["retention_error"] >= 0 and f"retention {tau_ratio:.4f} +- " in captured_err

@@ -186,7 +186,8 @@ def test_a_previous_state_loads_and_writes_back_the_same_text():
     assert state.timing.layers == 3 and state.timing.pass_times(2).draft_ms == state.timing.draft.at(2)
     assert state.to_dict() == document
     assert state_text(state) == json.dumps(document, indent=2, sort_keys=True) + "\n"
-    for speed in (SPEED, {**SPEED, "retention_error": 0.02}):  # a check from before the error, and one with it
+    with_errors = {**SPEED, "retention_error": 0.02, "base": {**SPEED["base"], "measured_speedup_error": 0.04}}
+    for speed in (SPEED, with_errors):  # a check from before the errors, and one with them
         with_speed = {**document, "speed": speed}
         assert RunState.from_dict(with_speed).to_dict() == with_speed
     older = {**document, "timing": PRE_COST_MODEL_TIMING}

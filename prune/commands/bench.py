@@ -228,7 +228,7 @@ def print_table(report: dict) -> None:
     from rich.table import Table
 
     from decode.bench import report_rows
-    from prune.text import number
+    from prune.text import number, plus_minus
 
     rows = report_rows(report)
     folder, names = _short_names([drafter for drafter, _, _ in rows if drafter is not None])
@@ -242,7 +242,9 @@ def print_table(report: dict) -> None:
         table.add_row(
             names.get(drafter, "-"), name,
             number(d.get("tau_macro")), number(d.get("tau_micro")), number(d.get("verify_width_mean"), 1),
-            number(d.get("time_per_token_ms")), number(d.get("speedup_vs_ar")), number(d.get("predicted_speedup")),
+            number(d.get("time_per_token_ms")),
+            number(d.get("speedup_vs_ar")) + plus_minus(d.get("speedup_error") if d.get("speedup_vs_ar") else None),
+            number(d.get("predicted_speedup")),
             number(d.get("speedup_limit")), _exactness(d, report["prompts"]), number(d.get("hit_rate")),
         )
     stdout_console().print(table)

@@ -274,7 +274,7 @@ def summary_lines(state: dict, out: str) -> list[str]:
 
     from models.checkpoint import stored_dtype
     from prune.state import judged_on
-    from prune.text import number
+    from prune.text import number, plus_minus
 
     history, base = state["history"], state["base"]
     final = history[-1] if history else {}
@@ -288,13 +288,14 @@ def summary_lines(state: dict, out: str) -> list[str]:
              if history else f"removed no layer; stopped by {state['stopped_by']}"]
 
     def before_after(label: str, before, after, digits: int, suffix: str = "", retention: bool = False,
-                     error: float | None = None) -> None:
-        """Add "label: before -> after" (just "before" when no step was taken), if there is a number to show;
-        with `retention`, the ratio too (and its standard `error` where known)."""
+                     error: float | None = None, errors: tuple = (None, None)) -> None:
+        """Add "label: before -> after" (just "before" when no step was taken), if there is a number to show,
+        each with its standard error from `errors` where known; with `retention`, the ratio too (and its
+        standard `error` where known)."""
         if before is None and (after is None or not history):
             return
-        values = (before, after) if history else (before,)
-        text = " -> ".join(number(v, digits, suffix) for v in values)
+        values = ((before, errors[0]), (after, errors[1])) if history else ((before, errors[0]),)
+        text = " -> ".join(number(v, digits, suffix) + (plus_minus(e) if v is not None else "") for v, e in values)
         if retention and history and before and after is not None:
             within = f" +- {error:.4f}" if error is not None else ""
             text += f" (retention {after / before:.4f}{within})"
@@ -306,7 +307,8 @@ def summary_lines(state: dict, out: str) -> list[str]:
                  error=speed.get("retention_error"))
     predicted = (speed_base, speed_final) if "predicted_speedup" in speed_base | speed_final else (base, final)
     before_after("predicted speedup", *(p.get("predicted_speedup") for p in predicted), 2, "x")
-    before_after("measured speedup", speed_base.get("measured_speedup"), speed_final.get("measured_speedup"), 2, "x")
+    before_after("measured speedup", speed_base.get("measured_speedup"), speed_final.get("measured_speedup"), 2, "x",
+                 errors=(speed_base.get("measured_speedup_error"), speed_final.get("measured_speedup_error")))
     gain = equal_tau_gain(state)
     if gain is not None:
         lines.append(f"fewer layers alone, at equal tau (predicted): {gain:.3f}x")
