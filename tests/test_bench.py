@@ -80,3 +80,21 @@ def test_the_measured_speedup_carries_its_standard_error_over_the_prompts():
     assert uneven["speedup_vs_ar"] == pytest.approx(1.2) and uneven["speedup_error"] == pytest.approx(0.32)
     replayed = _summary(results("sync", [1.0, 4.0]), ar, ar_summary, None, config, untimed=False, timed=False)
     assert replayed["speedup_vs_ar"] is None and replayed["speedup_error"] is None
+
+
+def test_pass_times_read_at_another_speed_of_the_machine_are_named():
+    """The bench notes pass times whose one-token step lies far from ar's measured time per token in the same
+    run (a probe cached from a slower or faster moment of the machine), and names the record to delete."""
+    from pathlib import Path
+
+    from prune.commands.bench import stale_pass_times_note
+
+    def report(probe_ms):
+        return {"decoders": {"ar": {"time_per_token_ms": 45.0}, "async": {"time_per_token_ms": 40.0}},
+                "settings": {"pass_times": {"d": {"ar_ms": probe_ms}}}}
+
+    assert stale_pass_times_note(report(38.0), Path("c/pass-times/k.json")) is None  # the usual 0.8-0.9
+    note = stale_pass_times_note(report(97.5), Path("c/pass-times/k.json"))
+    assert "97.5 ms where ar decoded at 45.0 ms" in note and note.endswith("delete c/pass-times/k.json to measure them again")
+    assert "run again" in stale_pass_times_note(report(20.0), None)
+    assert stale_pass_times_note({"decoders": {"ar": {"time_per_token_ms": None}}, "settings": {}}, None) is None

@@ -130,13 +130,12 @@ def decode_configs(args, pair, drafters, log=None, **fields) -> list:
     """
     from decode.cost import PassTimes
     from decode.timing import measure_drafters
-    from prune.cache import cached_json, fingerprint, pass_times_key
+    from prune.cache import cached_json
 
     base = DecodeConfig(stop_ids=pair.stop_ids, packed_budget=args.packed_budget,
                         draft_threads=args.draft_threads, **fields)
     for drafter in drafters:
         base.verify_block(drafter.config.block_size)
-    keys = [pass_times_key(drafter, pair.target, base) for drafter in drafters]
     cache = cache_dir(args)
 
     def measure():
@@ -145,8 +144,7 @@ def decode_configs(args, pair, drafters, log=None, **fields) -> list:
         measured = [times.to_dict() for times in measure_drafters(pair.target, drafters, base)]
         return measured[0] if len(measured) == 1 else measured  # one drafter: the record as before
 
-    key = keys[0] if len(keys) == 1 else fingerprint("pass-times of drafters together", *keys)
-    stored = cached_json(cache and cache / "pass-times", key, measure)
+    stored = cached_json(cache and cache / "pass-times", pass_times_record_key(pair.target, drafters, base), measure)
     stored = [stored] if isinstance(stored, dict) else stored
     adaptive_width = args.width == "adaptive"
     adaptive_candidates = getattr(args, "candidates", "adaptive") == "adaptive"
@@ -155,6 +153,15 @@ def decode_configs(args, pair, drafters, log=None, **fields) -> list:
         times = PassTimes(**record)
         configs.append((base.tuned_to(times, width=adaptive_width, candidates=adaptive_candidates), times))
     return configs
+
+
+def pass_times_record_key(target, drafters, decode: DecodeConfig) -> str:
+    """The key of the pass-times record `decode_configs` keeps for `drafters` with `target` (one drafter's own
+    record, or one for drafters measured together): `CACHE/pass-times/KEY.json`."""
+    from prune.cache import fingerprint, pass_times_key
+
+    keys = [pass_times_key(drafter, target, decode) for drafter in drafters]
+    return keys[0] if len(keys) == 1 else fingerprint("pass-times of drafters together", *keys)
 
 
 def warn_if_busy(cache, log) -> bool:

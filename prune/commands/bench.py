@@ -17,12 +17,14 @@ from ._common import (
     add_decode_args,
     add_model_args,
     add_prompt_args,
+    cache_dir,
     decode_configs,
     defaults,
     drafter_path,
     load_pair_and_prompts,
     model_paths,
     output_file,
+    pass_times_record_key,
     show_progress,
     stdout_console,
     write_json,
@@ -139,7 +141,37 @@ def run(args) -> int:
     write_json(report, args.json)
     if args.json != "-":
         print_table(report)
+    cache = cache_dir(args)
+    key = pass_times_record_key(pair.target, [drafter for _, drafter in drafters], decode)
+    note = stale_pass_times_note(report, cache / "pass-times" / f"{key}.json" if cache else None)
+    if note:
+        print(note, file=sys.stderr)
     return 0
+
+
+# A probe's one-token step against ar's time per token in decoding: on a quiet machine 0.8-0.9 (decoding adds the
+# rounds' own work); outside this band the probe ran at another speed of the machine than the benchmark.
+AR_PROBE_BAND = (0.6, 1.5)
+
+
+def stale_pass_times_note(report: dict, record) -> str | None:
+    """A note when the pass times behind the predictions read the target's step far from ar's measured time per
+    token in this run (`AR_PROBE_BAND`): they are a few seconds of the machine, cached (at `record`, a Path, or
+    None without a cache) and reused, so one probe taken while it ran slower or faster skews every prediction."""
+    from decode.bench import report_rows
+
+    ar = next((d for drafter, name, d in report_rows(report) if name == "ar"), None)
+    measured = ar and ar.get("time_per_token_ms")
+    probes = {times["ar_ms"] for times in report["settings"].get("pass_times", {}).values()}
+    if not measured or not probes:
+        return None
+    probe = max(probes, key=lambda ms: abs(ms / measured - 1))
+    if AR_PROBE_BAND[0] <= probe / measured <= AR_PROBE_BAND[1]:
+        return None
+    fix = f"delete {record} to measure them again" if record else "run again to measure them again"
+    return (f"note: the pass times behind the predictions read the target's step at {probe:.1f} ms where ar decoded at "
+            f"{measured:.1f} ms a token in this run: they were measured while the machine ran at another speed, "
+            f"and every prediction is off by as much; {fix}")
 
 
 def check_block_size(args) -> None:
