@@ -3,6 +3,7 @@
 from dataclasses import replace
 
 import pytest
+import torch
 
 from _pairs import constant_pair, prompt_ids, tiny_target, trained_drafter
 from conftest import build_tiny_drafter
@@ -114,3 +115,18 @@ def test_smaller_verify_block_than_drafter_block_is_exact():
         result = run(decoder, drafter, target, prompt, config)
         assert result.output_ids == reference
         assert max(result.acceptance) <= 4
+
+
+@pytest.mark.parametrize("rows, vocab, k", [(16, 49216, 5), (3, 640, 5), (2, 128, 2), (5, 100, 3), (4, 192, 4)])
+def test_top_k_through_group_maxima_equals_torch_topk(rows, vocab, k):
+    """decode.engine.top_k: the top k from the k best of 64 interleaved groups (vocabularies that split
+    evenly into them) or torch.topk (others, and too few columns): the same values and, without ties, the
+    same indices, masked (-inf) entries and a top k crowded into one group included."""
+    from decode.engine import top_k
+
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab))
+    logits[:, ::7] = float("-inf")
+    logits[0, : 5 * (vocab // 64): vocab // 64] = 50.0 + torch.arange(len(range(0, 5 * (vocab // 64), vocab // 64)))
+    values, indices = top_k(logits, k)
+    want_values, want_indices = logits.topk(k, dim=-1)
+    assert torch.equal(values, want_values) and torch.equal(indices, want_indices)
