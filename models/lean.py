@@ -210,11 +210,6 @@ def _fused_layer(module: torch.nn.Module, heads: int, kv_heads: int, head_dim: i
                        mlp.down_proj.weight.t().contiguous(), rope_weights)
 
 
-def _layer_weights(module: torch.nn.Module) -> list[torch.Tensor]:
-    """Every tensor of a decoder layer that the fused form derives from (the key of its cached copies)."""
-    return [p for p in module.parameters() if p is not None]
-
-
 def _inverse_rms(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     """`1 / sqrt(mean(x**2) + eps)` over the last dimension, `(..., 1)` in `x`'s dtype: a vector norm and two
     small operations (torch's RMS norm is about seven operations on a CPU); `eps` a float32 0-dim tensor.
@@ -329,7 +324,7 @@ class LeanDecoder:
     def _fused_layers(self, model: torch.nn.Module) -> list[_FusedLayer]:
         """The model's layers in the fused form, derived once per model while its weights are unchanged."""
         modules = list(model.model.layers)
-        weights = [w.detach() for module in modules for w in _layer_weights(module)]
+        weights = [w.detach() for module in modules for w in module.parameters()]  # every tensor folded in: the key
         shape = (self.num_heads, self.num_kv_heads, self.head_dim)
         return _derived(model, ("fused",), weights, lambda: [_fused_layer(m, *shape) for m in modules])
 
