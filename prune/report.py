@@ -68,7 +68,8 @@ def _speed_lines(speed: SpeedCheck | None) -> list[str]:
                                                                                 row.speedup_limit)]
             lines.append(f"| {name} | {' | '.join(cells)} | {row.exact} |")
     if speed.base and speed.final and speed.base.tau and speed.retention_error is not None:
-        lines += ["", f"Held-out tau retention {speed.final.tau / speed.base.tau:.4f} +- {speed.retention_error:.4f} "
+        retention = speed.final.tau / speed.base.tau
+        lines += ["", f"Held-out tau retention {retention:.4f}{plus_minus(speed.retention_error, 4)} "
                   f"(standard error over these {speed.prompts} prompts)."]
     return lines
 

@@ -144,7 +144,8 @@ def decode_configs(args, pair, drafters, log=None, **fields) -> list:
         measured = [times.to_dict() for times in measure_drafters(pair.target, drafters, base)]
         return measured[0] if len(measured) == 1 else measured  # one drafter: the record as before
 
-    stored = cached_json(cache and cache / "pass-times", pass_times_record_key(pair.target, drafters, base), measure)
+    record = pass_times_record(cache, pair.target, drafters, base)
+    stored = cached_json(record and record.parent, record and record.stem, measure)
     stored = [stored] if isinstance(stored, dict) else stored
     adaptive_width = args.width == "adaptive"
     adaptive_candidates = getattr(args, "candidates", "adaptive") == "adaptive"
@@ -155,13 +156,16 @@ def decode_configs(args, pair, drafters, log=None, **fields) -> list:
     return configs
 
 
-def pass_times_record_key(target, drafters, decode: DecodeConfig) -> str:
-    """The key of the pass-times record `decode_configs` keeps for `drafters` with `target` (one drafter's own
-    record, or one for drafters measured together): `CACHE/pass-times/KEY.json`."""
+def pass_times_record(cache, target, drafters, decode: DecodeConfig) -> Path | None:
+    """The file `decode_configs` keeps the pass times of `drafters` with `target` in (one drafter's own
+    record, or one for drafters measured together): `CACHE/pass-times/KEY.json`; None without a cache."""
     from prune.cache import fingerprint, pass_times_key
 
+    if cache is None:
+        return None
     keys = [pass_times_key(drafter, target, decode) for drafter in drafters]
-    return keys[0] if len(keys) == 1 else fingerprint("pass-times of drafters together", *keys)
+    key = keys[0] if len(keys) == 1 else fingerprint("pass-times of drafters together", *keys)
+    return Path(cache) / "pass-times" / f"{key}.json"
 
 
 def warn_if_busy(cache, log) -> bool:

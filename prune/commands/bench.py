@@ -24,7 +24,7 @@ from ._common import (
     load_pair_and_prompts,
     model_paths,
     output_file,
-    pass_times_record_key,
+    pass_times_record,
     show_progress,
     stdout_console,
     write_json,
@@ -141,9 +141,8 @@ def run(args) -> int:
     write_json(report, args.json)
     if args.json != "-":
         print_table(report)
-    cache = cache_dir(args)
-    key = pass_times_record_key(pair.target, [drafter for _, drafter in drafters], decode)
-    note = stale_pass_times_note(report, cache / "pass-times" / f"{key}.json" if cache else None)
+    record = pass_times_record(cache_dir(args), pair.target, [drafter for _, drafter in drafters], decode)
+    note = stale_pass_times_note(report, record)
     if note:
         print(note, file=sys.stderr)
     return 0
@@ -275,7 +274,7 @@ def print_table(report: dict) -> None:
             names.get(drafter, "-"), name,
             number(d.get("tau_macro")), number(d.get("tau_micro")), number(d.get("verify_width_mean"), 1),
             number(d.get("time_per_token_ms")),
-            number(d.get("speedup_vs_ar")) + plus_minus(d.get("speedup_error") if d.get("speedup_vs_ar") else None),
+            number(d.get("speedup_vs_ar")) + plus_minus(d.get("speedup_error")),
             number(d.get("predicted_speedup")),
             number(d.get("speedup_limit")), _exactness(d, report["prompts"]), number(d.get("hit_rate")),
         )

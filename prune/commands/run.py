@@ -297,8 +297,7 @@ def summary_lines(state: dict, out: str) -> list[str]:
         values = ((before, errors[0]), (after, errors[1])) if history else ((before, errors[0]),)
         text = " -> ".join(number(v, digits, suffix) + (plus_minus(e) if v is not None else "") for v, e in values)
         if retention and history and before and after is not None:
-            within = f" +- {error:.4f}" if error is not None else ""
-            text += f" (retention {after / before:.4f}{within})"
+            text += f" (retention {after / before:.4f}{plus_minus(error, 4)})"
         lines.append(f"{label}: {text}")
 
     judged = judged_on(state.get("config", {}).get("check_prompts"))
