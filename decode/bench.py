@@ -56,8 +56,8 @@ from .verifiers import ReplayVerifier
 
 DRAFTED = registry.names(SPECULATIVE)  # the rows run once per drafter
 # Summary fields that are per-prompt times: a lockstep batch has only the batch's, recorded ar outputs none.
-UNTIMED = ("tokens_per_s", "time_per_token_ms", "round_ms", "decode_s", "prefill_s", "time_split_ms",
-           "packed_hidden_fraction")
+UNTIMED = ("tokens_per_s", "time_per_token_ms", "round_ms", "drafting_round_ms", "decode_s", "prefill_s",
+           "time_split_ms", "packed_hidden_fraction")
 AR = (None, "ar")  # the row key of the shared baseline: (drafter name or None, decoder)
 
 
@@ -248,17 +248,20 @@ def _summary(results: list[DecodeResult], ar: list[DecodeResult], ar_summary: di
 
 
 def _predictions(decoder: str, times: cost.PassTimes, summary: dict, concurrent: bool) -> dict:
-    """The cost model's speedup and round time for a row at its measured tau (pooled over rounds), mean verify
-    width and fallback rate, and the physical limit at that tau and width. Beside the measured `round_ms`,
-    `predicted_round_ms` shows where a prediction misses: in the round, or in the ar step it is divided by."""
+    """The cost model's speedup and round time for a row at its measured tau (pooled over drafting rounds), mean
+    verify width, fallback rate and share of gated rounds, and the physical limit at that tau and width. Beside
+    the measured `drafting_round_ms`, `predicted_round_ms` (a drafting round) shows where a prediction misses:
+    in the round, or in the ar step it is divided by."""
     tau, width = summary.get("tau_micro"), summary.get("verify_width_mean")
     if tau is None or width is None:
         return {"predicted_speedup": None, "predicted_round_ms": None, "speedup_limit": None}
     fallback = summary.get("fallback_rate") or 0.0
+    gated = summary.get("gated_share") or 0.0
     shape = cost.packed_shape(summary.get("packed_share"), summary.get("packed_pass_tokens_mean"))
-    return {"predicted_speedup": cost.predicted_speedup(decoder, times, tau, width, fallback, concurrent, **shape),
+    return {"predicted_speedup": cost.predicted_speedup(decoder, times, tau, width, fallback, concurrent, gated,
+                                                        **shape),
             "predicted_round_ms": cost.round_ms(decoder, times, width, fallback, concurrent, **shape),
-            "speedup_limit": cost.speedup_limit(times, tau, width)}
+            "speedup_limit": cost.speedup_limit(times, tau, width, gated)}
 
 
 def _report(summaries: dict, drafters: list, prompts: int, config: BenchConfig, target) -> dict:
@@ -296,9 +299,9 @@ def against(row: dict, first: dict) -> dict:
 
         speedup_ratio      its speedup over ar / the first's (> 1: faster per generated token)
         tau_ratio          its tau (macro) / the first's
-        equal_tau_speedup  the first's round time / its own: what its passes alone buy, at equal tau
+        equal_tau_speedup  the first's drafting-round time / its own: what its passes alone buy, at equal tau
 
-    Time per token is about round time / tau (micro) (a last round cut short by the token budget commits
+    Without the speculation gate (decode.gate), time per token is about round time / tau (micro) (a last round cut short by the token budget commits
     fewer), so speedup_ratio is about equal_tau_speedup x the tau (micro) ratio. A ratio without both numbers
     (an untimed replay row) is None."""
 
@@ -307,7 +310,7 @@ def against(row: dict, first: dict) -> dict:
 
     return {"speedup_ratio": ratio(row.get("speedup_vs_ar"), first.get("speedup_vs_ar")),
             "tau_ratio": ratio(row.get("tau_macro"), first.get("tau_macro")),
-            "equal_tau_speedup": ratio(first.get("round_ms"), row.get("round_ms"))}
+            "equal_tau_speedup": ratio(first.get("drafting_round_ms"), row.get("drafting_round_ms"))}
 
 
 def report_rows(report: dict) -> list[tuple[str | None, str, dict]]:
@@ -363,5 +366,6 @@ def _settings(config: BenchConfig, target) -> dict:
         },
         "time_per_token": "aggregate: total decode time / total tokens after the prefill token; for pld, "
         "generate and assisted, decode time = T(generate) - T(generate with max_new_tokens=1) on the same prompt",
-        "tau": "tau_macro = mean of per-prompt mean (a+1); tau_micro = mean over all rounds",
+        "tau": "tau_macro = mean of per-prompt mean (a+1); tau_micro = mean over all rounds; both over the "
+        "drafting rounds (gated_share: rounds the speculation gate ran as plain target steps)",
     }

@@ -9,12 +9,14 @@ from dataclasses import dataclass, field, replace
 from models.errors import ConfigError
 
 from .cost import CandidatePolicy, PassTimes, WidthPolicy
+from .gate import GatePolicy
 from .registry import ASSISTED, BASELINE, DECODERS, OURS, check_decoder_names
 
 # Choices of the decoder flags; the first of WIDTH_MODES and CANDIDATE_MODES is the default.
 VERIFY_MODES = ("live", "replay")  # the target verifies, or its recorded greedy trajectory answers (decode.verifiers)
 WIDTH_MODES = ("adaptive", "fixed")  # verify width per round: chosen by the cost model, or the block size
 CANDIDATE_MODES = ("adaptive", "all")  # async candidates: as many as pay for themselves, or all that fit
+GATE_MODES = ("adaptive", "off")  # speculation gate: plain target steps where drafting does not pay, or draft always
 
 
 @dataclass
@@ -31,6 +33,9 @@ class DecodeConfig:
         candidate_policy: async only; how many of the planned candidates each packed pass drafts, 0 for
             none (the round then verifies and drafts as sync), from their probabilities and the cost model
             (decode.cost.CandidatePolicy); None drafts every candidate that fits packed_budget.
+        gate_policy: where each sequence's recent rounds commit fewer tokens than their cost buys on
+            one-token target steps, run plain target steps for a while (decode.gate.GatePolicy); None drafts
+            every round. Decisions depend on committed tokens only, so replay and live make the same ones.
         temperature: 0 for greedy; > 0 samples (speculative sampling for sync/async).
         seed: seeds the sampling generator of every sequence.
         stop_ids: token ids that end a sequence (kept in the output), e.g. EOS.
@@ -51,6 +56,7 @@ class DecodeConfig:
     block_size: int | None = None
     width_policy: WidthPolicy | None = None
     candidate_policy: CandidatePolicy | None = None
+    gate_policy: GatePolicy | None = None
     temperature: float = 0.0
     seed: int = 0
     stop_ids: tuple[int, ...] = ()
@@ -70,11 +76,14 @@ class DecodeConfig:
             )
         return block
 
-    def tuned_to(self, times: PassTimes, width: bool = True, candidates: bool = True) -> "DecodeConfig":
+    def tuned_to(self, times: PassTimes, width: bool = True, candidates: bool = True, gate: bool = False
+                 ) -> "DecodeConfig":
         """These settings with the cost model's policies for pass times `times`: the adaptive verify width
-        (when `width`) and the packed pass's candidate count (when `candidates`); others unchanged."""
+        (when `width`), the packed pass's candidate count (when `candidates`) and the speculation gate (when
+        `gate`); others unchanged."""
         return replace(self, width_policy=WidthPolicy.from_times(times) if width else self.width_policy,
-                       candidate_policy=CandidatePolicy.from_times(times) if candidates else self.candidate_policy)
+                       candidate_policy=CandidatePolicy.from_times(times) if candidates else self.candidate_policy,
+                       gate_policy=GatePolicy.from_times(times) if gate else self.gate_policy)
 
     @property
     def stop_rule(self):

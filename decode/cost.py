@@ -159,15 +159,21 @@ def round_ms(decoder: str, times: PassTimes, width: float, fallback_rate: float 
 
 
 def time_per_token_ms(decoder: str, times: PassTimes, tau: float, width: float, fallback_rate: float = 0.0,
-                      concurrent: bool = True, **shape) -> float:
-    """Modelled ms per generated token: round time / tau (tau = 1 for ar)."""
-    return round_ms(decoder, times, width, fallback_rate, concurrent, **shape) / (1.0 if decoder == "ar" else tau)
+                      concurrent: bool = True, gated_share: float = 0.0, **shape) -> float:
+    """Modelled ms per generated token: round time / tau (tau = 1 for ar). With `gated_share` of the rounds
+    plain target steps (decode.gate: one token for ar_ms each), tau and width are those of the drafting rounds."""
+    if decoder == "ar":
+        return times.ar_ms
+    drafted = 1.0 - gated_share
+    spent = drafted * round_ms(decoder, times, width, fallback_rate, concurrent, **shape) + gated_share * times.ar_ms
+    return spent / (drafted * tau + gated_share)
 
 
 def predicted_speedup(decoder: str, times: PassTimes, tau: float, width: float, fallback_rate: float = 0.0,
-                      concurrent: bool = True, **shape) -> float:
+                      concurrent: bool = True, gated_share: float = 0.0, **shape) -> float:
     """ar time per token / the decoder's modelled time per token."""
-    return times.ar_ms / time_per_token_ms(decoder, times, tau, width, fallback_rate, concurrent, **shape)
+    return times.ar_ms / time_per_token_ms(decoder, times, tau, width, fallback_rate, concurrent, gated_share,
+                                           **shape)
 
 
 def equal_tau_speedup(decoder: str, before: PassTimes, after: PassTimes, width: float, fallback_rate: float = 0.0,
@@ -180,9 +186,11 @@ def equal_tau_speedup(decoder: str, before: PassTimes, after: PassTimes, width: 
             / round_ms(decoder, after, width, fallback_rate, concurrent, **shape))
 
 
-def speedup_limit(times: PassTimes, tau: float, width: float) -> float:
-    """tau x T_ar / T_verify(width): the speedup of a drafter that costs nothing and always hits."""
-    return tau * times.ar_ms / times.verify_ms(width)
+def speedup_limit(times: PassTimes, tau: float, width: float, gated_share: float = 0.0) -> float:
+    """tau x T_ar / T_verify(width): the speedup of a drafter that costs nothing and always hits (with
+    `gated_share` of the rounds plain target steps, as in `time_per_token_ms`)."""
+    drafted = 1.0 - gated_share
+    return (drafted * tau + gated_share) * times.ar_ms / (drafted * times.verify_ms(width) + gated_share * times.ar_ms)
 
 
 @dataclass(frozen=True)
@@ -208,6 +216,10 @@ class WidthPolicy:
         return cls(_two_digits(times.per_token_ms / times.ar_ms),
                    _two_digits((times.draft_ms + times.step_ms) / times.ar_ms))
 
+    def round_cost(self, width: int) -> float:
+        """A round verifying `width` >= 2 tokens, in one-token target steps (verify pass and draft)."""
+        return 1.0 + self.slope * (width - 1) + self.fixed
+
     def choose(self, confidences: list[float], max_width: int) -> int:
         """Verify width in 2 .. max_width for drafts with per-slot confidences c_1 .. c_(max_width - 1)."""
         best_width, best_rate = max_width, -1.0
@@ -215,7 +227,7 @@ class WidthPolicy:
         for width in range(2, max_width + 1):
             reach *= confidences[width - 2]
             expected += reach
-            rate = expected / (1.0 + self.slope * (width - 1) + self.fixed)
+            rate = expected / self.round_cost(width)
             if rate > best_rate + 1e-12:
                 best_width, best_rate = width, rate
         return best_width

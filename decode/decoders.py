@@ -10,6 +10,10 @@ pass feeds the chain t, d1 .. d(B-1) plus candidate blocks for the likeliest out
 When (a, b) is known the matching candidate becomes the next draft (a hit); otherwise the drafter
 drafts synchronously from b (a fallback). Running the two passes one after the other (`concurrent=False`)
 gives identical tokens, acceptances and hits.
+
+With a speculation gate (`DecodeConfig.gate_policy`, decode/gate.py), a sequence whose recent rounds did
+not pay for their drafts runs plain target steps (a one-token verify pass, no draft) until the gate lets
+it draft again; its drafter cache catches up in the next draft pass. Exact either way.
 """
 
 import contextlib
@@ -39,7 +43,8 @@ CommitHook = Callable[[int, list[int]], None]
 
 @dataclass
 class Round:
-    """One target pass. Times are seconds; `hit` is None where no candidate applies (sync, last round).
+    """One target pass. Times are seconds; `hit` is None where no candidate applies (sync, last round, a gated
+    target step and the draft that reopens the gate).
 
     Times are wall time on the decoding thread, from a pass's launch to the host read that ends it (every
     pass ends in one, on every device), so they are what the round waited for. `overlap_s` is how long the
@@ -58,6 +63,7 @@ class Round:
     packed_tokens: int = 0
     total_s: float = 0.0
     width: int = 1
+    drafted: bool = True  # False: a plain target step that the speculation gate chose (decode.gate; width 1, a 0)
 
 
 @dataclass
@@ -133,7 +139,8 @@ class _Sequence:
         self.stop = config.stop_rule
         self.generator = torch.Generator().manual_seed(config.seed)
         self.done = False
-        self.draft: _Draft | None = None
+        self.draft: _Draft | None = None  # None: the next round is a plain target step (the gate is closed)
+        self.gate = config.gate_policy.gate() if config.gate_policy is not None else None
         self.rounds: list[Round] = []
 
     @property
@@ -181,6 +188,20 @@ class _Sequence:
         else:
             a, bonus = sampled_outcome(drafts, out.probs, self.generator)
         return self._commit(drafts[:a] + [bonus])
+
+    def step(self) -> tuple[int, int | None]:
+        """One round: verify the current draft, or a plain target step where there is none; commit, and
+        tell the gate. Returns (a after the stop rule, tokens verified; None for a target step)."""
+        width = self.width if self.draft is not None else None
+        a = self.verify_draft() if width is not None else self.ar_step()
+        if self.gate is not None:
+            self.gate.observe(a + 1, width)
+        return a, width
+
+    @property
+    def drafts_next(self) -> bool:
+        """Whether the next round verifies a draft (unfinished, and the gate, if any, open)."""
+        return not self.done and (self.gate is None or self.gate.drafting)
 
     def result(self, decoder: str, prefill_s: float, decode_s: float) -> DecodeResult:
         return DecodeResult(decoder, self.prompt_len, self.tokens[self.prompt_len :], self.rounds, prefill_s, decode_s)
@@ -282,10 +303,14 @@ def sync_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config: D
     for r, seq in enumerate(seqs):
         if active[r]:
             verify_start = time.perf_counter()
-            width = seq.width
-            a = seq.verify_draft()
-            seq.rounds.append(Round(accepted=a, verify_s=time.perf_counter() - verify_start, width=width))
-    draft_s = _sync_draft(engine, seqs, [active[r] and not seq.done for r, seq in enumerate(seqs)], block, policy)
+            a, width = seq.step()
+            seq.rounds.append(Round(accepted=a, verify_s=time.perf_counter() - verify_start, width=width or 1,
+                                    drafted=width is not None))
+    drafting = [active[r] and seq.drafts_next for r, seq in enumerate(seqs)]
+    for r, seq in enumerate(seqs):
+        if not drafting[r]:
+            seq.draft = None
+    draft_s = _sync_draft(engine, seqs, drafting, block, policy)
     total = time.perf_counter() - round_start
     for r, seq in enumerate(seqs):
         if active[r]:
@@ -299,8 +324,9 @@ def async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config: 
     concurrent = config.concurrent and not lookahead
     round_start = time.perf_counter()
     active = [not seq.done for seq in seqs]
-    widths = [seq.width if active[r] else 0 for r, seq in enumerate(seqs)]
-    planned = [_plan_packed_request(engine, seq, r, widths[r], config) if active[r] else (None, [])
+    drafted_before = [active[r] and seq.draft is not None for r, seq in enumerate(seqs)]  # else a target step
+    widths = [seq.width if drafted_before[r] else 1 for r, seq in enumerate(seqs)]
+    planned = [_plan_packed_request(engine, seq, r, widths[r], config) if drafted_before[r] else (None, [])
                for r, seq in enumerate(seqs)]
     requests, plans = [request for request, _ in planned], [plan for _, plan in planned]
 
@@ -325,7 +351,7 @@ def async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config: 
         if future is None and not lookahead:
             predictions, p_start, p_end = packed_pass() if any(fed) else ([[] for _ in seqs], 0.0, 0.0)
         v_start = time.perf_counter()
-        accepted = [seq.verify_draft() if active[r] else 0 for r, seq in enumerate(seqs)]
+        accepted = [seq.step()[0] if active[r] else 0 for r, seq in enumerate(seqs)]
         v_end = time.perf_counter()
         if future is not None:
             predictions, p_start, p_end = future.result()
@@ -339,14 +365,19 @@ def async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config: 
         [len(request.chain) if request else 0 for request in fed] if lookahead else
         [old_lengths[r] - engine.cache_lens[r] + accepted[r] if fed[r] else 0 for r in range(len(seqs))]
     )
+    # A row whose gate closed steps the target alone next; one whose gate opened after target steps
+    # drafts afresh (neither is a hit or a miss).
     hits = [None] * len(seqs)
+    resumed = [active[r] and not drafted_before[r] and seq.drafts_next for r, seq in enumerate(seqs)]
     for r, seq in enumerate(seqs):
-        if drafted[r]:
+        if not (active[r] and seq.drafts_next):
+            seq.draft = None
+        elif drafted[r]:
             seq.draft = _Draft.from_slots(seq.tokens[-1], predictions[r][0], 0, block - 1, config.width_policy)
             hits[r] = False
-        elif active[r] and not seq.done:
+        elif not resumed[r]:
             hits[r] = _take_candidate(seq, plans[r], predictions[r], accepted[r], block, config.width_policy)
-    missed = [active[r] and hits[r] is False and not drafted[r] for r in range(len(seqs))]
+    missed = [resumed[r] or (active[r] and hits[r] is False and not drafted[r]) for r in range(len(seqs))]
     fallback_s = _sync_draft(engine, seqs, missed, block, config.width_policy) if any(missed) else 0.0
 
     overlap = max(0.0, min(v_end, p_end) - max(v_start, p_start))
@@ -355,7 +386,7 @@ def async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config: 
         if active[r]:
             packed_tokens = len(requests[r].chain) + sum(
                 engine.block_size + (b.guess is not None) for b in requests[r].blocks
-            ) if requests[r].blocks else 0
+            ) if requests[r] and requests[r].blocks else 0
             seq.rounds.append(
                 Round(
                     accepted=accepted[r],
@@ -367,6 +398,7 @@ def async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config: 
                     packed_tokens=packed_tokens,
                     total_s=total,
                     width=widths[r],
+                    drafted=drafted_before[r],
                 )
             )
 
@@ -403,13 +435,13 @@ def _usable_parts(seqs, requests, plans, accepted, old_lengths, cache_lens):
             drafted.append(False)
             continue
         bonus = seq.tokens[-1]
-        usable = [] if seq.done else [
+        usable = [] if not seq.drafts_next else [
             (candidate, spec) for candidate, spec in zip(plan, request.blocks)
             if candidate.accepted == accepted[r] and candidate.guess in (None, bonus)
         ]
         chain = request.chain[: old_lengths[r] - cache_lens[r] + accepted[r]]
         blocks = [spec for _, spec in usable]
-        miss = not seq.done and not usable
+        miss = seq.drafts_next and not usable
         if miss:
             chain, blocks = seq.tokens[cache_lens[r] :], [BlockSpec(len(seq.tokens) - 1)]
         fed.append(DraftRequest(chain, blocks))

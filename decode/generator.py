@@ -27,7 +27,7 @@ from models.errors import ConfigError, DataError
 from models.pair import Pair, load_pair, pair_with_target
 from models.precision import resolve_dtype
 
-from .config import WIDTH_MODES, DecodeConfig
+from .config import GATE_MODES, WIDTH_MODES, DecodeConfig
 from .decoders import DECODERS, DecodeResult, decode_one
 from .detokenize import TextStream
 from .metrics import summarize
@@ -59,13 +59,13 @@ def generation_stats(results: list[DecodeResult], block_size: int | None) -> dic
 
     Returns:
         tokens (generated), tokens_per_s (timed as `prune bench` times them: tokens after the first over
-        the decode time, prefill excluded), tau (mean committed tokens per target pass, pooled over rounds;
-        1 for ar), hit_rate (async: share of rounds whose next draft came from the packed pass; else None),
+        the decode time, prefill excluded), tau (mean committed tokens per drafting round, pooled over rounds;
+        1 for ar), gated_share (share of rounds the speculation gate ran as plain target steps; None for ar), hit_rate (async: share of rounds whose next draft came from the packed pass; else None),
         prefill_s and decode_s (seconds).
     """
     summary = summarize(results, block_size)
     return {"tokens": summary["output_tokens"], "tokens_per_s": summary["tokens_per_s"], "tau": summary["tau_micro"],
-            "hit_rate": summary.get("hit_rate"), "prefill_s": summary["prefill_s"], "decode_s": summary["decode_s"]}
+            "gated_share": summary.get("gated_share"), "hit_rate": summary.get("hit_rate"), "prefill_s": summary["prefill_s"], "decode_s": summary["decode_s"]}
 
 
 class Generator:
@@ -84,6 +84,9 @@ class Generator:
         device: torch device of loaded models.
         width: "adaptive" verifies per round the width the cost model prefers (pass times measured once
             here, a few seconds); "fixed" verifies the drafter's whole block.
+        gate: "adaptive" runs plain target steps for a while where a reply's recent rounds commit fewer tokens
+            than their cost buys on one-token steps (decode.gate; pass times measured as for `width`); "off"
+            drafts every round.
         chat_template: run text prompts through the tokenizer's chat template.
         cache_dir: where the demo target is cached (None: $D3D_PRUNE_CACHE or $XDG_CACHE_HOME/d3d-prune).
 
@@ -95,19 +98,22 @@ class Generator:
 
     def __init__(self, drafter=None, target=None, *, tokenizer=None, decoder: str = "async",
                  dtype: str | torch.dtype = "auto", drafter_dtype: str | torch.dtype = "auto",
-                 device: str | torch.device = "cpu", width: str = "adaptive",
+                 device: str | torch.device = "cpu", width: str = "adaptive", gate: str = "adaptive",
                  chat_template: bool = True, cache_dir=None):
         if decoder not in DECODERS:
             raise ConfigError(f"unknown decoder {decoder!r}; choose from {', '.join(DECODERS)}")
         if width not in WIDTH_MODES:
             raise ConfigError(f"unknown width {width!r}; choose {' or '.join(WIDTH_MODES)}")
+        if gate not in GATE_MODES:
+            raise ConfigError(f"unknown gate {gate!r}; choose {' or '.join(GATE_MODES)}")
         self.pair = _load_pair(drafter, target, tokenizer, dtype, drafter_dtype, torch.device(device), cache_dir)
         self.decoder = decoder
         self.chat_template = chat_template
         self.config = DecodeConfig(stop_ids=self.pair.stop_ids)
-        if width == "adaptive" and decoder != "ar":
+        adaptive = {"width": width == "adaptive", "gate": gate == "adaptive"}
+        if any(adaptive.values()) and decoder != "ar":
             times = measure_pass_times(self.pair.target, self.pair.drafter, self.config)
-            self.config = self.config.tuned_to(times)
+            self.config = self.config.tuned_to(times, width=adaptive["width"], gate=adaptive["gate"])
 
     def prompt_ids(self, prompt, max_new_tokens: int | None = None) -> list[int]:
         """The token ids of `prompt`: text, a chat list, token ids (a list or a 1-D tensor) or a prompt-file

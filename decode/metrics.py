@@ -1,6 +1,8 @@
 """Summaries of decoder results (docs/design.md, Decoders).
 
-tau = mean acceptance length (a + 1) per round. `tau_macro` averages per-prompt means (DFlash's
+tau = mean acceptance length (a + 1) per drafting round: rounds that the speculation gate ran as plain target
+steps (decode.gate) are left out of tau, the verify width and the acceptance histogram, and counted in
+`gated_share` instead; speed counts every round. `tau_macro` averages per-prompt means (DFlash's
 convention), `tau_micro` pools every round. Time per token is total decode time over total timed tokens
 (an aggregate, i.e. throughput-weighted), and speedup is the AR time per token over the decoder's,
 both measured on the same prompts.
@@ -26,19 +28,21 @@ def paired_ratio_error(numerators: list[float], denominators: list[float]) -> fl
 
 
 def tau_per_prompt(results: list[DecodeResult]) -> list[float]:
-    """Mean (a + 1) per prompt; prompts without rounds are left out."""
-    return [mean(a + 1 for a in r.acceptance) for r in results if r.rounds]
+    """Mean (a + 1) per prompt over its drafting rounds; prompts without any are left out."""
+    drafting = [[rnd.accepted for rnd in r.rounds if rnd.drafted] for r in results]
+    return [mean(a + 1 for a in accepted) for accepted in drafting if accepted]
 
 
 def summarize(results: list[DecodeResult], block_size: int | None) -> dict:
     """Aggregate metrics of one decoder over prompts (JSON-ready; times in ms)."""
-    rounds = [rnd for r in results for rnd in r.rounds]
+    every_round = [rnd for r in results for rnd in r.rounds]
+    rounds = [rnd for rnd in every_round if rnd.drafted]
     tokens = sum(r.timed_tokens for r in results)
     decode_s = sum(r.decode_s for r in results)
     per_prompt = tau_per_prompt(results)
     summary = {
         "prompts": len(results),
-        "rounds": len(rounds),
+        "rounds": len(every_round),  # target passes after prefill, gated ones included
         "output_tokens": sum(len(r.output_ids) for r in results),
         "tau_macro": mean(per_prompt) if per_prompt else None,
         "tau_micro": mean(rnd.accepted + 1 for rnd in rounds) if rounds else None,
@@ -46,11 +50,15 @@ def summarize(results: list[DecodeResult], block_size: int | None) -> dict:
         "tokens_per_s": tokens / decode_s if decode_s > 0 else None,
         "time_per_token_ms": 1000 * decode_s / tokens if tokens else None,
         # Wall time of one round (ar: one step), the unit the cost model predicts (decode/cost.py round_ms).
-        "round_ms": 1000 * decode_s / len(rounds) if rounds and decode_s > 0 else None,
+        "round_ms": 1000 * decode_s / len(every_round) if every_round and decode_s > 0 else None,
+        # The same for the drafting rounds alone (each round's own wall time): what a drafter's passes cost.
+        "drafting_round_ms": 1000 * mean(rnd.total_s for rnd in rounds) if rounds and decode_s > 0 else None,
         "decode_s": decode_s,
         "prefill_s": sum(r.prefill_s for r in results),
         "verify_width_mean": mean(rnd.width for rnd in rounds) if rounds else None,
     }
+    if results and results[0].decoder != "ar":
+        summary["gated_share"] = 1.0 - len(rounds) / len(every_round) if every_round else None
     if block_size is not None and results and results[0].decoder != "ar":
         histogram = [0] * block_size
         for rnd in rounds:

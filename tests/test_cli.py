@@ -54,7 +54,11 @@ def test_bench_json_report(pair_dirs, capsys, tmp_path):
         # the measured round and the modelled one, in the units the prediction is made of
         assert entry["round_ms"] == pytest.approx(1000 * entry["decode_s"] / entry["rounds"])
         ar_ms = next(iter(report["settings"]["pass_times"].values()))["ar_ms"]
-        assert entry["predicted_speedup"] == pytest.approx(ar_ms * entry["tau_micro"] / entry["predicted_round_ms"])
+        # live: the speculation gate is on, and the prediction mixes its target steps into the drafting rounds
+        gated = entry["gated_share"]
+        assert report["settings"]["decode"]["gate_policy"] is not None and 0 <= gated < 1
+        assert entry["predicted_speedup"] == pytest.approx(
+            ar_ms * ((1 - gated) * entry["tau_micro"] + gated) / ((1 - gated) * entry["predicted_round_ms"] + gated * ar_ms))
     for name in ("pld", "generate"):  # transformers' greedy generate() agrees with our ar in float32
         entry = report["decoders"][name]
         assert entry["exact_match_vs_ar"] is True and entry["tau_macro"] is None
@@ -153,19 +157,20 @@ def test_bench_several_drafters_share_one_ar_run(pair_dirs, second_drafter, caps
         first_row, second_row = rows[0][name], rows[1][name]
         assert ratios == pytest.approx({"speedup_ratio": second_row["speedup_vs_ar"] / first_row["speedup_vs_ar"],
                                         "tau_ratio": second_row["tau_macro"] / first_row["tau_macro"],
-                                        "equal_tau_speedup": first_row["round_ms"] / second_row["round_ms"]})
+                                        "equal_tau_speedup": first_row["drafting_round_ms"] / second_row["drafting_round_ms"]})
     lines = [json.loads(line) for line in saved.read_text().splitlines()]
     assert len(lines) == 3 * 7 and {(line["decoder"], line.get("drafter")) for line in lines} == {
         ("ar", None), ("pld", None), ("generate", None),
         *((decoder, drafter) for decoder in ("sync", "async") for drafter in (first, second_drafter))}
 
-    # Each drafter measures as it does alone, also in lockstep replay from the recorded ar outputs (no ar decoding).
-    alone = bench_args(pair_dirs, "--decoder", "async", "--verify", "replay", "--json", "-")
+    # Each drafter measures as it does alone, also in lockstep replay from the recorded ar outputs (no ar decoding),
+    # the speculation gate (on by default only when live) making the live decoder's decisions.
+    alone = bench_args(pair_dirs, "--decoder", "async", "--verify", "replay", "--gate", "adaptive", "--json", "-")
     alone[alone.index("--drafter") + 1] = second_drafter
     assert main(alone) == 0
     second_alone = json.loads(capsys.readouterr().out)["decoders"]["async"]
     assert main(bench_args(pair_dirs, "--drafter", second_drafter, "--verify", "replay", "--replay-batch", "2",
-                           "--ar-outputs", str(saved), "--json", "-")) == 0
+                           "--gate", "adaptive", "--ar-outputs", str(saved), "--json", "-")) == 0
     replayed = json.loads(capsys.readouterr().out)
     assert len(ar_runs) == 2 * 4 and set(replayed["baselines"]) == {"ar"}  # the alone run's, none more
     for live, lockstep in zip(report["drafters"], replayed["drafters"]):

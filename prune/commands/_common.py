@@ -8,7 +8,7 @@ import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from decode.config import CANDIDATE_MODES, WIDTH_MODES, DecodeConfig
+from decode.config import CANDIDATE_MODES, GATE_MODES, WIDTH_MODES, DecodeConfig
 from prune.config import ScoreConfig
 from prune.tracking import TrackingConfig, default_dir, drafter_tag, resolve_mode, tracker_for
 
@@ -101,6 +101,26 @@ def add_decode_args(parser) -> None:
                         "(default: a quarter of the threads, at least 1)")
 
 
+def add_gate_arg(parser, default: str | None) -> None:
+    """--gate, the speculation gate of decoders that serve (bench, generate); `default` None: adaptive under
+    live verification, off under replay (`gate_mode`). Scoring and pruning measure drafters with it off."""
+    when = "adaptive with --verify live, off with --verify replay" if default is None else default
+    parser.add_argument("--gate", choices=GATE_MODES, default=default,
+                        help="sync and async: adaptive runs plain target steps for a while where a sequence's recent "
+                        "rounds commit fewer tokens than their cost buys on one-token steps (decode/gate.py), so "
+                        "prompts the drafter guesses poorly run near the target's own speed; tau is then reported "
+                        f"over the drafting rounds and the share of target steps as gated; off drafts every round "
+                        f"(default: {when})")
+
+
+def gate_mode(args) -> str:
+    """The --gate of `args` (off where the command has none; see `add_gate_arg` for its default)."""
+    mode = getattr(args, "gate", GATE_MODES[-1])
+    if mode is None:
+        return GATE_MODES[0] if getattr(args, "verify", "live") == "live" else GATE_MODES[-1]
+    return mode
+
+
 def add_screen_args(parser) -> None:
     """The scoring round's screening flags (prune.config.ScoreConfig.screen_prompts)."""
     parser.add_argument("--screen-prompts", type=_types.non_negative_int, default=SCORE["screen_prompts"],
@@ -149,10 +169,12 @@ def decode_configs(args, pair, drafters, log=None, **fields) -> list:
     stored = [stored] if isinstance(stored, dict) else stored
     adaptive_width = args.width == "adaptive"
     adaptive_candidates = getattr(args, "candidates", "adaptive") == "adaptive"
+    gate = gate_mode(args) == "adaptive"
     configs = []
     for record in stored:
         times = PassTimes(**record)
-        configs.append((base.tuned_to(times, width=adaptive_width, candidates=adaptive_candidates), times))
+        configs.append((base.tuned_to(times, width=adaptive_width, candidates=adaptive_candidates, gate=gate),
+                        times))
     return configs
 
 

@@ -15,6 +15,7 @@ from ._common import (
     add_command,
     add_debug,
     add_decode_args,
+    add_gate_arg,
     add_model_args,
     add_prompt_args,
     cache_dir,
@@ -84,6 +85,7 @@ def add_parser(subparsers) -> None:
                         help="with --verify replay: take the target's outputs from the ar lines of a --save-outputs "
                         "file of the same target, prompts and --max-new-tokens instead of decoding them")
     add_decode_args(parser)
+    add_gate_arg(parser, None)
     parser.add_argument("--fan-out", type=_types.non_negative_int, default=DECODE["fan_out"],
                         help="async: most bonus guesses per outcome")
     parser.add_argument("--sequential", action="store_true",
@@ -267,7 +269,7 @@ def print_table(report: dict) -> None:
                   caption=f"drafters in {folder}" if folder else None)
     table.add_column("drafter", justify="left", overflow="fold")
     for column in ("decoder", "tau macro", "tau micro", "width", "ms/token", "speedup", "predicted", "limit",
-                   "exact", "hit rate"):
+                   "exact", "hit rate", "gated"):
         table.add_column(column, justify="right", no_wrap=column == "speedup")  # "1.09 +- 0.03" on one line
     for drafter, name, d in rows:
         table.add_row(
@@ -277,6 +279,7 @@ def print_table(report: dict) -> None:
             number(d.get("speedup_vs_ar")) + plus_minus(d.get("speedup_error")),
             number(d.get("predicted_speedup")),
             number(d.get("speedup_limit")), _exactness(d, report["prompts"]), number(d.get("hit_rate")),
+            number(d.get("gated_share")),
         )
     stdout_console().print(table)
     for line in against_lines(report, names):

@@ -9,6 +9,7 @@ end gives tokens, tokens/s (timed as `prune bench` times them), tau and the asyn
 import json
 import sys
 
+from decode.config import GATE_MODES
 from decode.registry import OURS, SPECULATIVE, TARGET, describe
 
 from . import _types
@@ -17,6 +18,7 @@ from ._common import (
     add_command,
     add_debug,
     add_decode_args,
+    add_gate_arg,
     add_model_args,
     decode_config,
     model_paths,
@@ -63,6 +65,7 @@ def add_parser(subparsers) -> None:
                         help="write one JSON record per prompt (id, text, output_ids and the statistics) instead "
                         "of streaming text; always on with --prompts")
     add_decode_args(parser)
+    add_gate_arg(parser, GATE_MODES[0])
     add_debug(parser)
     parser.set_defaults(run=run)
 
