@@ -17,7 +17,7 @@ TWO_STEPS = cost.WidthPolicy(slope=0.0, fixed=1.0)
 
 
 def test_the_gate_closes_waits_probes_and_doubles_its_wait_while_probes_fail():
-    gate = GatePolicy(TWO_STEPS).gate()  # threshold 0.9, smoothing 0.5, start 1.5, waits 8 .. 32
+    gate = GatePolicy(TWO_STEPS, first_wait=8).gate()  # threshold 0.9, smoothing 0.5, start 1.5, waits 8 .. 32
     trace = []
 
     def draft_round(committed):
@@ -147,3 +147,17 @@ def test_the_gate_reads_the_round_cost_the_width_policy_maximises_against():
     assert policy.cost.round_cost(4) == pytest.approx(1 + 0.05 * 3 + 1.0)
     assert DecodeConfig().tuned_to(times, gate=True).gate_policy == policy
     assert DecodeConfig().tuned_to(times).gate_policy is None
+
+
+def test_the_gate_study_replays_recorded_rounds_and_bounds_them_by_the_oracle():
+    from scripts.gate_study import oracle, simulate
+
+    # (a, W) of a drafting round at each position: a run of hits, then nothing but misses
+    rounds = [(3, 4)] * 8 + [(0, 2)] * 40
+    tokens, cost_without = simulate(rounds, TWO_STEPS, None)
+    assert tokens == len(rounds)
+    assert cost_without == pytest.approx(2 * 2 + 2 * 40)  # positions 0 and 4 (4 tokens each), then 40 misses
+    _, cost_gated = simulate(rounds, TWO_STEPS, GatePolicy(TWO_STEPS))
+    _, cost_best = oracle(rounds, TWO_STEPS)
+    assert cost_best == pytest.approx(2 * 2 + 40)  # draft the hits, step through the misses
+    assert cost_best <= cost_gated < cost_without

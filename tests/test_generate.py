@@ -51,6 +51,7 @@ def test_generate_prints_the_targets_greedy_reply(pair, capsys, decoder):
     assert out == text + "\n"
     stats = err.strip().splitlines()[-1]
     assert stats.startswith(f"{decoder}: {len(ids)} tokens, ") and "tokens/s, tau " in stats and "hit rate" in stats
+    assert ("gated -" in stats) == (decoder == "ar")  # the speculation gate is on for the speculative decoders
 
 
 def test_generate_prompts_file_writes_one_json_record_per_prompt(pair, capsys):

@@ -343,10 +343,10 @@ def output_file(path: str):
 
 
 def stdout_console():
-    """A rich console on stdout; 120 columns when stdout is not a terminal (files, pipes, CI logs)."""
+    """A rich console on stdout; 140 columns when stdout is not a terminal (files, pipes, CI logs)."""
     from rich.console import Console
 
-    return Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120)
+    return Console(file=sys.stdout, width=None if sys.stdout.isatty() else 140)
 
 
 def show_progress(json_destination: str | None) -> bool:

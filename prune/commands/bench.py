@@ -284,6 +284,9 @@ def print_table(report: dict) -> None:
     stdout_console().print(table)
     for line in against_lines(report, names):
         print(line)
+    if any(d.get("gated_share") for _, _, d in rows):
+        print("note: gated = the share of rounds the speculation gate ran as plain target steps; tau counts the "
+              "drafting rounds only (--gate off drafts, and measures tau, on every round)", file=sys.stderr)
     dtype = report["settings"].get("dtype")
     if dtype not in (None, "float32") and any(d.get("exact_match_vs_ar") is False for _, _, d in rows):
         print(f"note: in {dtype} a wider pass can round a near-tie between two tokens differently from ar's "

@@ -126,12 +126,14 @@ def load_generator(args):
 
 
 def stats_line(decoder: str, stats: dict, prompts: int) -> str:
-    """One line: prompts (when several), tokens, tokens/s, tau, hit rate ('-' where it does not apply)."""
+    """One line: prompts (when several), tokens, tokens/s, tau, hit rate, the share of rounds the speculation
+    gate ran as target steps ('-' where it does not apply)."""
     from prune.text import number
 
     head = f"{prompts} prompts, " if prompts > 1 else ""
     return (f"{decoder}: {head}{stats['tokens']} tokens, {number(stats['tokens_per_s'], 1)} tokens/s, "
-            f"tau {number(stats['tau'], 2)}, hit rate {number(stats['hit_rate'], 2)}")
+            f"tau {number(stats['tau'], 2)}, hit rate {number(stats['hit_rate'], 2)}, "
+            f"gated {number(stats.get('gated_share'), 2)}")
 
 
 def _write(text: str) -> None:
