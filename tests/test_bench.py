@@ -98,3 +98,13 @@ def test_pass_times_read_at_another_speed_of_the_machine_are_named():
     assert "97.5 ms where ar decoded at 45.0 ms" in note and note.endswith("delete c/pass-times/k.json to measure them again")
     assert "run again" in stale_pass_times_note(report(20.0), None)
     assert stale_pass_times_note({"decoders": {"ar": {"time_per_token_ms": None}}, "settings": {}}, None) is None
+
+    def drafted(round_ms):  # a drafter's rounds priced at 2 steps of a 40 ms probe, timed at round_ms
+        return {"decoders": {"ar": {"time_per_token_ms": 45.0},
+                             "sync": {"drafting_round_ms": round_ms, "predicted_round_ms": 80.0}},
+                "settings": {"drafter": "d", "pass_times": {"d": {"ar_ms": 40.0}}}}
+
+    assert stale_pass_times_note(drafted(95.0), None) is None  # 2.11 steps measured against 2 modelled
+    note = stale_pass_times_note(drafted(200.0), Path("k.json"))  # 4.44 steps: the draft probe ran fast
+    assert "price a sync round of d at 2.00 target steps where its rounds took 4.44" in note
+    assert note.endswith("delete k.json to measure them again")

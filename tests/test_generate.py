@@ -158,3 +158,10 @@ def test_bad_input_is_a_one_line_error(pair, capsys, tmp_path):
     assert "non-empty" in error_of(capsys, generate_args(pair, "--prompt", ""))
     assert "--max-new-tokens" in error_of(capsys, generate_args(pair, "--prompt", "hi " * 300))
     assert "fast" in error_of(capsys, generate_args(pair, "--prompt", PROMPT, "--decoder", "fast"))
+
+
+def test_the_generator_names_an_unknown_gate_before_loading_anything(pair):
+    from models.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown gate 'sometimes'; choose adaptive or off"):
+        Generator(pair / "drafter", pair / "target", gate="sometimes")

@@ -157,22 +157,36 @@ AR_PROBE_BAND = (0.6, 1.5)
 
 def stale_pass_times_note(report: dict, record) -> str | None:
     """A note when the pass times behind the predictions read the target's step far from ar's measured time per
-    token in this run (`AR_PROBE_BAND`): they are a few seconds of the machine, cached (at `record`, a Path, or
-    None without a cache) and reused, so one probe taken while it ran slower or faster skews every prediction."""
+    token in this run, or a drafter's round (in target steps) far from its measured drafting rounds
+    (`AR_PROBE_BAND` both): they are a few seconds of the machine, cached (at `record`, a Path, or None without a
+    cache) and reused, so one probe taken while it ran slower or faster skews every prediction, and the
+    adaptive width and the speculation gate decide on them."""
     from decode.bench import report_rows
 
-    ar = next((d for drafter, name, d in report_rows(report) if name == "ar"), None)
+    rows = report_rows(report)
+    ar = next((d for drafter, name, d in rows if name == "ar"), None)
     measured = ar and ar.get("time_per_token_ms")
-    probes = {times["ar_ms"] for times in report["settings"].get("pass_times", {}).values()}
+    pass_times = report["settings"].get("pass_times", {})
+    probes = {times["ar_ms"] for times in pass_times.values()}
     if not measured or not probes:
         return None
-    probe = max(probes, key=lambda ms: abs(ms / measured - 1))
-    if AR_PROBE_BAND[0] <= probe / measured <= AR_PROBE_BAND[1]:
-        return None
     fix = f"delete {record} to measure them again" if record else "run again to measure them again"
-    return (f"note: the pass times behind the predictions read the target's step at {probe:.1f} ms where ar decoded at "
-            f"{measured:.1f} ms a token in this run: they were measured while the machine ran at another speed, "
-            f"and every prediction is off by as much; {fix}")
+    probe = max(probes, key=lambda ms: abs(ms / measured - 1))
+    if not AR_PROBE_BAND[0] <= probe / measured <= AR_PROBE_BAND[1]:
+        return (f"note: the pass times behind the predictions read the target's step at {probe:.1f} ms where ar "
+                f"decoded at {measured:.1f} ms a token in this run: they were measured while the machine ran at "
+                f"another speed, and every prediction is off by as much; {fix}")
+    for drafter, name, d in rows:
+        times = pass_times.get(drafter)
+        if not (times and d.get("drafting_round_ms") and d.get("predicted_round_ms")):
+            continue
+        modelled, timed = d["predicted_round_ms"] / times["ar_ms"], d["drafting_round_ms"] / measured
+        if not AR_PROBE_BAND[0] <= modelled / timed <= AR_PROBE_BAND[1]:
+            return (f"note: the pass times behind the predictions price a {name} round of {drafter} at "
+                    f"{modelled:.2f} target steps where its rounds took {timed:.2f} in this run: the drafter's "
+                    f"passes were measured at another speed of the machine than the target's, and the width and "
+                    f"gate decisions and predictions rest on them; {fix}")
+    return None
 
 
 def check_block_size(args) -> None:
