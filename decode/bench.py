@@ -301,8 +301,9 @@ def against(row: dict, first: dict) -> dict:
         tau_ratio          its tau (macro) / the first's
         equal_tau_speedup  the first's drafting-round time / its own: what its passes alone buy, at equal tau
 
-    Without the speculation gate (decode.gate), time per token is about round time / tau (micro) (a last round cut short by the token budget commits
-    fewer), so speedup_ratio is about equal_tau_speedup x the tau (micro) ratio. A ratio without both numbers
+    Without the speculation gate (decode.gate), time per token is about round time / tau (micro) (a last round
+    cut short by the token budget commits fewer), so speedup_ratio is about equal_tau_speedup x the tau (micro)
+    ratio. A ratio without both numbers
     (an untimed replay row) is None."""
 
     def ratio(numerator, denominator):

@@ -12,7 +12,8 @@ from .cost import CandidatePolicy, PassTimes, WidthPolicy
 from .gate import GatePolicy
 from .registry import ASSISTED, BASELINE, DECODERS, OURS, check_decoder_names
 
-# Choices of the decoder flags; the first of WIDTH_MODES and CANDIDATE_MODES is the default.
+# Choices of the decoder flags; the first of WIDTH_MODES and CANDIDATE_MODES is the default; GATE_MODES' default
+# depends on the command (prune.commands._common.add_gate_arg).
 VERIFY_MODES = ("live", "replay")  # the target verifies, or its recorded greedy trajectory answers (decode.verifiers)
 WIDTH_MODES = ("adaptive", "fixed")  # verify width per round: chosen by the cost model, or the block size
 CANDIDATE_MODES = ("adaptive", "all")  # async candidates: as many as pay for themselves, or all that fit

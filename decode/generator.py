@@ -60,12 +60,14 @@ def generation_stats(results: list[DecodeResult], block_size: int | None) -> dic
     Returns:
         tokens (generated), tokens_per_s (timed as `prune bench` times them: tokens after the first over
         the decode time, prefill excluded), tau (mean committed tokens per drafting round, pooled over rounds;
-        1 for ar), gated_share (share of rounds the speculation gate ran as plain target steps; None for ar), hit_rate (async: share of rounds whose next draft came from the packed pass; else None),
-        prefill_s and decode_s (seconds).
+        1 for ar), gated_share (share of rounds the speculation gate ran as plain target steps; None for ar),
+        hit_rate (async: share of rounds whose next draft came from the packed pass; else None), prefill_s and
+        decode_s (seconds).
     """
     summary = summarize(results, block_size)
     return {"tokens": summary["output_tokens"], "tokens_per_s": summary["tokens_per_s"], "tau": summary["tau_micro"],
-            "gated_share": summary.get("gated_share"), "hit_rate": summary.get("hit_rate"), "prefill_s": summary["prefill_s"], "decode_s": summary["decode_s"]}
+            "gated_share": summary.get("gated_share"), "hit_rate": summary.get("hit_rate"),
+            "prefill_s": summary["prefill_s"], "decode_s": summary["decode_s"]}
 
 
 class Generator:
@@ -110,10 +112,9 @@ class Generator:
         self.decoder = decoder
         self.chat_template = chat_template
         self.config = DecodeConfig(stop_ids=self.pair.stop_ids)
-        adaptive = {"width": width == "adaptive", "gate": gate == "adaptive"}
-        if any(adaptive.values()) and decoder != "ar":
+        if "adaptive" in (width, gate) and decoder != "ar":
             times = measure_pass_times(self.pair.target, self.pair.drafter, self.config)
-            self.config = self.config.tuned_to(times, width=adaptive["width"], gate=adaptive["gate"])
+            self.config = self.config.tuned_to(times, width=width == "adaptive", gate=gate == "adaptive")
 
     def prompt_ids(self, prompt, max_new_tokens: int | None = None) -> list[int]:
         """The token ids of `prompt`: text, a chat list, token ids (a list or a 1-D tensor) or a prompt-file

@@ -234,10 +234,14 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x.to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """RoPE's rotate-half over the last dimension: `(x1, x2) -> (-x2, x1)`."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
 
 
 class LeanDecoder:
@@ -418,7 +422,9 @@ class LeanDecoder:
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         qk_width, qkv_width = (heads + kv_heads) * head_dim, (heads + 2 * kv_heads) * head_dim
         rotate_in_product = tokens.numel() <= ROTATION_IN_PRODUCT_TOKENS
-        cos_sin = torch.stack([cos, sin], dim=-3)  # (*tokens, 2, 1, head_dim)
+        # (*tokens, 2, 1, head_dim), scaled per layer by the q/k norm weights where the model has them (Qwen3)
+        per_head_norms = bool(self.layers) and self.layers[0].rope_weights is not None
+        cos_sin = torch.stack([cos, sin], dim=-3) if per_head_norms else None
         hidden = hidden.reshape(-1, width)
         for index, w in enumerate(self.layers):
             x = hidden * _inverse_rms(hidden, self._eps)
@@ -430,7 +436,7 @@ class LeanDecoder:
             if rotate_in_product:
                 rotated = qkv[:, qkv_width:].view(*tokens, heads + kv_heads, head_dim)
             else:
-                rotated = torch.cat((-qk[..., head_dim // 2 :], qk[..., : head_dim // 2]), dim=-1)
+                rotated = _rotate_half(qk)
             if w.rope_weights is None:
                 qk = torch.addcmul(qk * cos, rotated, sin)
             else:  # RMS norm per head: its weight rides with the RoPE tables, its scale applies after

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file fr
 
 import torch  # noqa: E402
 
+from decode.acceptance import greedy_outcome  # noqa: E402
 from decode.config import DecodeConfig  # noqa: E402
 from decode.decoders import decode_ar  # noqa: E402
 from decode.engine import DraftEngine, DraftRequest  # noqa: E402
@@ -38,7 +39,8 @@ from models.demo import DEMO_DRAFTER_DIR, resolve_demo_target  # noqa: E402
 from models.masks import BlockSpec  # noqa: E402
 from models.pair import load_pair  # noqa: E402
 
-GRID = {"smoothing": (0.35, 0.5, 0.65), "first_wait": (4, 8, 12), "max_wait": (16, 32, 64), "threshold": (0.8, 0.9, 1.0)}
+GRID = {"smoothing": (0.35, 0.5, 0.65), "first_wait": (4, 8, 12), "max_wait": (16, 32, 64),
+        "threshold": (0.8, 0.9, 1.0)}
 
 
 def record(pair, prompt_ids: list[int], config: DecodeConfig, block: int) -> list[tuple[int, int]]:
@@ -53,10 +55,10 @@ def record(pair, prompt_ids: list[int], config: DecodeConfig, block: int) -> lis
         prediction = engine.forward([request])[0][0]
         engine.keep([len(request.chain)])
         widest = min(block, len(trajectory) - position)  # nothing to verify past the end
-        width = config.width_policy.choose(prediction.probs[: widest - 1], widest) if widest > 2 else widest
-        accepted = 0
-        while accepted < width - 1 and prediction.tokens[accepted] == trajectory[position + 1 + accepted]:
-            accepted += 1
+        width = config.width_policy.choose(prediction.probs[: widest - 1], widest)
+        # the target's greedy tokens after t, d1, ... are the trajectory's (-1 past its end, never read)
+        answers = (trajectory + [-1])[position + 1 : position + 1 + width]
+        accepted, _ = greedy_outcome(prediction.tokens[: width - 1], answers)
         rounds.append((accepted, width))
     return rounds
 

@@ -57,8 +57,9 @@ def test_bench_json_report(pair_dirs, capsys, tmp_path):
         # live: the speculation gate is on, and the prediction mixes its target steps into the drafting rounds
         gated = entry["gated_share"]
         assert report["settings"]["decode"]["gate_policy"] is not None and 0 <= gated < 1
-        assert entry["predicted_speedup"] == pytest.approx(
-            ar_ms * ((1 - gated) * entry["tau_micro"] + gated) / ((1 - gated) * entry["predicted_round_ms"] + gated * ar_ms))
+        tokens = (1 - gated) * entry["tau_micro"] + gated
+        spent = (1 - gated) * entry["predicted_round_ms"] + gated * ar_ms
+        assert entry["predicted_speedup"] == pytest.approx(ar_ms * tokens / spent)
     for name in ("pld", "generate"):  # transformers' greedy generate() agrees with our ar in float32
         entry = report["decoders"][name]
         assert entry["exact_match_vs_ar"] is True and entry["tau_macro"] is None
@@ -157,7 +158,8 @@ def test_bench_several_drafters_share_one_ar_run(pair_dirs, second_drafter, caps
         first_row, second_row = rows[0][name], rows[1][name]
         assert ratios == pytest.approx({"speedup_ratio": second_row["speedup_vs_ar"] / first_row["speedup_vs_ar"],
                                         "tau_ratio": second_row["tau_macro"] / first_row["tau_macro"],
-                                        "equal_tau_speedup": first_row["drafting_round_ms"] / second_row["drafting_round_ms"]})
+                                        "equal_tau_speedup": (first_row["drafting_round_ms"]
+                                                              / second_row["drafting_round_ms"])})
     lines = [json.loads(line) for line in saved.read_text().splitlines()]
     assert len(lines) == 3 * 7 and {(line["decoder"], line.get("drafter")) for line in lines} == {
         ("ar", None), ("pld", None), ("generate", None),
