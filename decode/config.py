@@ -37,6 +37,9 @@ class DecodeConfig:
         gate_policy: where each sequence's recent rounds commit fewer tokens than their cost buys on
             one-token target steps, run plain target steps for a while (decode.gate.GatePolicy); None drafts
             every round. Decisions depend on committed tokens only, so replay and live make the same ones.
+        tree_branches: sync and async, greedy only: next-best ids per slot a round may verify beside the
+            drafts, as a draft tree chosen by the width policy's cost model (decode/tree.py); 0 verifies a
+            chain. Sampling (temperature > 0) always verifies chains.
         temperature: 0 for greedy; > 0 samples (speculative sampling for sync/async).
         seed: seeds the sampling generator of every sequence.
         stop_ids: token ids that end a sequence (kept in the output), e.g. EOS.
@@ -58,6 +61,7 @@ class DecodeConfig:
     width_policy: WidthPolicy | None = None
     candidate_policy: CandidatePolicy | None = None
     gate_policy: GatePolicy | None = None
+    tree_branches: int = 0
     temperature: float = 0.0
     seed: int = 0
     stop_ids: tuple[int, ...] = ()

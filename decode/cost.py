@@ -222,15 +222,25 @@ class WidthPolicy:
 
     def choose(self, confidences: list[float], max_width: int) -> int:
         """Verify width in 2 .. max_width for drafts with per-slot confidences c_1 .. c_(max_width - 1)."""
-        best_width, best_rate = max_width, -1.0
-        expected, reach = 1.0, 1.0
-        for width in range(2, max_width + 1):
-            reach *= confidences[width - 2]
-            expected += reach
-            rate = expected / self.round_cost(width)
+        values, reach = [], 1.0
+        for confidence in confidences[: max_width - 1]:
+            reach *= confidence
+            values.append(reach)
+        return 1 + self.best_count(values) if values else max_width
+
+    def best_count(self, values: list[float]) -> int:
+        """How many of a round's candidate tokens to verify, 1 .. len(values): the count n that maximises
+        E(n) / round_cost(n + 1), E(n) = 1 + values[0] + .. + values[n - 1], where values[i] is the drafter's
+        probability that the target accepts the i-th best token and every token before it on its path (a
+        chain's c_1 .. c_i; a draft tree's node values, decode/tree.py), best first. Ties: the fewer."""
+        best_count, best_rate = len(values), -1.0
+        expected = 1.0
+        for count, value in enumerate(values, 1):
+            expected += value
+            rate = expected / self.round_cost(count + 1)
             if rate > best_rate + 1e-12:
-                best_width, best_rate = width, rate
-        return best_width
+                best_count, best_rate = count, rate
+        return best_count
 
 
 def _two_digits(value: float) -> float:

@@ -14,6 +14,10 @@ gives identical tokens, acceptances and hits.
 With a speculation gate (`DecodeConfig.gate_policy`, decode/gate.py), a sequence whose recent rounds did
 not pay for their drafts runs plain target steps (a one-token verify pass, no draft) until the gate lets
 it draft again; its drafter cache catches up in the next draft pass. Exact either way.
+
+With draft trees (`DecodeConfig.tree_branches`, greedy only; decode/tree.py) a round verifies the drafter's
+next-best ids beside its drafts in the same target pass. The async packed pass plans on the main chain (the
+argmax drafts); an outcome that leaves it through another node is a miss.
 """
 
 import contextlib
@@ -32,6 +36,7 @@ from .config import DecodeConfig
 from .cost import WidthPolicy
 from .engine import BlockPrediction, DraftEngine, DraftRequest
 from .planner import plan_candidates
+from .tree import DraftTree, grow, greedy_path
 from .verifiers import LiveVerifier, TargetOutput, Verifier
 from .worker import draft_worker, thread_split
 
@@ -106,24 +111,53 @@ class DecodeResult:
 
 @dataclass
 class _Draft:
-    """A drafted block V = [t, d1 .. d(B-1)] with the drafter's per-slot beliefs."""
+    """A round's drafts after t: the main chain V = [t, d1 .. d(W-1)] with the drafter's per-slot beliefs,
+    and for a draft tree its other nodes after them (decode/tree.py).
+
+    Attributes:
+        tokens: the fed tokens: t, the main chain's drafts, then a tree's other nodes.
+        confidences, alternatives: the main chain's, per draft.
+        parents: a tree's parent index per fed token; None for a chain.
+    """
 
     tokens: list[int]
     confidences: list[float]
     alternatives: list[list[tuple[int, float]]]
+    parents: list[int] | None = None
 
     @classmethod
     def from_slots(cls, bonus: int, prediction: BlockPrediction, first_slot: int, count: int,
-                   policy: WidthPolicy | None = None) -> "_Draft":
-        """The draft after `bonus` from `count` slots of `prediction` (fewer where `policy` says so)."""
-        if policy is not None:
-            count = policy.choose(prediction.probs[first_slot : first_slot + count], count + 1) - 1
+                   policy: WidthPolicy | None = None, branches: int = 0) -> "_Draft":
+        """The draft after `bonus` from `count` slots of `prediction` (fewer where `policy` says so), a tree
+        of up to `count` nodes where `branches` > 0."""
         end = first_slot + count
+        if branches > 0:
+            tree = grow(bonus, prediction.tokens[first_slot:end], prediction.probs[first_slot:end],
+                        prediction.alternatives[first_slot:end], branches, count, policy)
+            chain_end = first_slot + tree.chain - 1
+            return cls(tree.tokens, prediction.probs[first_slot:chain_end],
+                       prediction.alternatives[first_slot:chain_end], None if tree.is_chain else tree.parents)
+        if policy is not None:
+            end = first_slot + policy.choose(prediction.probs[first_slot:end], count + 1) - 1
         return cls(
             [bonus] + prediction.tokens[first_slot:end],
             prediction.probs[first_slot:end],
             prediction.alternatives[first_slot:end],
         )
+
+    @property
+    def chain_width(self) -> int:
+        """Tokens on the main chain, t included."""
+        return 1 + len(self.confidences)
+
+    def chain_alternatives(self) -> list[list[tuple[int, float]]]:
+        """The main chain's next-best ids less those the tree verifies at the same place (an outcome
+        through them continues in the tree, so no async candidate can match it)."""
+        if self.parents is None:
+            return self.alternatives
+        verified = {(self.parents[i], self.tokens[i]) for i in range(self.chain_width, len(self.tokens))}
+        return [[(token, prob) for token, prob in options if (slot, token) not in verified]
+                for slot, options in enumerate(self.alternatives)]
 
 
 class _Sequence:
@@ -142,6 +176,8 @@ class _Sequence:
         self.draft: _Draft | None = None  # None: the next round is a plain target step (the gate is closed)
         self.gate = config.gate_policy.gate() if config.gate_policy is not None else None
         self.rounds: list[Round] = []
+        self.chain_accepted = 0  # drafts of the last verified main chain that were committed
+        self.left_chain = False  # whether the last verify committed a tree node off the main chain
 
     @property
     def generated(self) -> int:
@@ -157,7 +193,9 @@ class _Sequence:
         out = self.verifier.prefill(self.tokens)
         self._commit([self._pick(out, 0)])
 
-    def _commit(self, committed: list[int]) -> int:
+    def _commit(self, committed: list[int], fed: list[int] | None = None) -> int:
+        """Commit `committed` (after the stop rule); `fed`: after a tree verify, the fed tokens that hold
+        the committed positions (t and the accepted nodes)."""
         kept, self.done = self.stop.truncate(committed, self.generated)
         if kept[-1] < 0:  # a replay past the end of its trajectory answers -1
             raise DataError(
@@ -165,12 +203,13 @@ class _Sequence:
                 "max_new_tokens and stop ids as this run"
             )
         self.tokens += kept
-        self.verifier.commit(len(self.tokens) - 1)
+        self.verifier.commit(len(self.tokens) - 1, fed)
         if self.on_commit is not None:
             self.on_commit(self.row, kept)
         return len(kept) - 1
 
     def ar_step(self) -> int:
+        self.chain_accepted, self.left_chain = 0, False
         out = self.verifier.verify([self.tokens[-1]])
         return self._commit([self._pick(out, 0)])
 
@@ -181,13 +220,24 @@ class _Sequence:
 
     def verify_draft(self) -> int:
         """Verify the current draft and commit; returns a (after the stop rule)."""
-        drafts = self.draft.tokens[1:]
-        out = self.verifier.verify(self.draft.tokens)
+        draft = self.draft
+        out = self.verifier.verify(draft.tokens, draft.parents)
+        if draft.parents is not None:
+            path, bonus = greedy_path(DraftTree(draft.tokens, draft.parents, draft.chain_width), out.tokens)
+            self.chain_accepted = next((k for k, node in enumerate(path) if node != k + 1), len(path))
+            self.left_chain = self.chain_accepted < len(path)
+            a = self._commit([draft.tokens[node] for node in path] + [bonus], [0] + path)
+            self.left_chain = self.left_chain and a > self.chain_accepted  # the stop rule may cut it first
+            self.chain_accepted = min(self.chain_accepted, a)
+            return a
+        drafts = draft.tokens[1:]
         if out.probs is None:
             a, bonus = greedy_outcome(drafts, out.tokens)
         else:
             a, bonus = sampled_outcome(drafts, out.probs, self.generator)
-        return self._commit(drafts[:a] + [bonus])
+        a = self._commit(drafts[:a] + [bonus])
+        self.chain_accepted, self.left_chain = a, False
+        return a
 
     def step(self) -> tuple[int, int | None]:
         """One round: verify the current draft, or a plain target step where there is none; commit, and
@@ -269,7 +319,7 @@ def decode_speculative(
     start = time.perf_counter()
     for seq in seqs:
         seq.start()
-    _sync_draft(engine, seqs, [not seq.done for seq in seqs], block, config.width_policy)
+    _sync_draft(engine, seqs, [not seq.done for seq in seqs], block, config)
     prefill_s = time.perf_counter() - start
     lookahead = config.lookahead and all(seq.verifier.answers_ahead for seq in seqs)
     start = time.perf_counter()
@@ -280,7 +330,7 @@ def decode_speculative(
 
 
 def _sync_draft(engine: DraftEngine, seqs: list[_Sequence], which: list[bool], block: int,
-                policy: WidthPolicy | None) -> float:
+                config: DecodeConfig) -> float:
     """Draft a fresh block after the last committed token of each selected sequence; returns seconds."""
     start = time.perf_counter()
     requests = [
@@ -291,13 +341,19 @@ def _sync_draft(engine: DraftEngine, seqs: list[_Sequence], which: list[bool], b
     engine.keep([len(req.chain) if req else 0 for req in requests])
     for r, seq in enumerate(seqs):
         if which[r]:
-            seq.draft = _Draft.from_slots(seq.tokens[-1], predictions[r][0], 0, block - 1, policy)
+            seq.draft = _new_draft(seq.tokens[-1], predictions[r][0], 0, block, config)
     return time.perf_counter() - start
+
+
+def _new_draft(bonus: int, prediction: BlockPrediction, first_slot: int, block: int, config: DecodeConfig) -> _Draft:
+    """The next round's draft after `bonus` from `prediction`'s slots from `first_slot` on, as `config` shapes
+    it (width policy; a tree where `config.tree_branches` > 0 and decoding is greedy)."""
+    branches = config.tree_branches if config.temperature == 0 else 0
+    return _Draft.from_slots(bonus, prediction, first_slot, block - 1, config.width_policy, branches)
 
 
 def sync_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config: DecodeConfig, lookahead: bool) -> None:
     """One sync round of every unfinished sequence: verify its draft, commit, draft again (`lookahead` unused)."""
-    policy = config.width_policy
     round_start = time.perf_counter()
     active = [not seq.done for seq in seqs]
     for r, seq in enumerate(seqs):
@@ -310,7 +366,7 @@ def sync_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config: D
     for r, seq in enumerate(seqs):
         if not drafting[r]:
             seq.draft = None
-    draft_s = _sync_draft(engine, seqs, drafting, block, policy)
+    draft_s = _sync_draft(engine, seqs, drafting, block, config)
     total = time.perf_counter() - round_start
     for r, seq in enumerate(seqs):
         if active[r]:
@@ -356,14 +412,14 @@ def async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config: 
         if future is not None:
             predictions, p_start, p_end = future.result()
     if lookahead:
-        fed, plans, drafted = _usable_parts(seqs, requests, plans, accepted, old_lengths, engine.cache_lens)
+        fed, plans, drafted = _usable_parts(seqs, requests, plans, old_lengths, engine.cache_lens)
         predictions, p_start, p_end = packed_pass()
 
-    # The committed part of each chain: the uncached committed tokens, t, and d1 .. da (and b where the
-    # lookahead drafted the fallback in the same pass).
+    # The committed part of each chain: the uncached committed tokens, t, and d1 .. da on the main chain (and
+    # b where the lookahead drafted the fallback in the same pass).
     engine.keep(
         [len(request.chain) if request else 0 for request in fed] if lookahead else
-        [old_lengths[r] - engine.cache_lens[r] + accepted[r] if fed[r] else 0 for r in range(len(seqs))]
+        [old_lengths[r] - engine.cache_lens[r] + seq.chain_accepted if fed[r] else 0 for r, seq in enumerate(seqs)]
     )
     # A row whose gate closed steps the target alone next; one whose gate opened after target steps
     # drafts afresh (neither is a hit or a miss).
@@ -373,12 +429,12 @@ def async_round(engine: DraftEngine, seqs: list[_Sequence], block: int, config: 
         if not (active[r] and seq.drafts_next):
             seq.draft = None
         elif drafted[r]:
-            seq.draft = _Draft.from_slots(seq.tokens[-1], predictions[r][0], 0, block - 1, config.width_policy)
+            seq.draft = _new_draft(seq.tokens[-1], predictions[r][0], 0, block, config)
             hits[r] = False
         elif not resumed[r]:
-            hits[r] = _take_candidate(seq, plans[r], predictions[r], accepted[r], block, config.width_policy)
+            hits[r] = _take_candidate(seq, plans[r], predictions[r], block, config)
     missed = [resumed[r] or (active[r] and hits[r] is False and not drafted[r]) for r in range(len(seqs))]
-    fallback_s = _sync_draft(engine, seqs, missed, block, config.width_policy) if any(missed) else 0.0
+    fallback_s = _sync_draft(engine, seqs, missed, block, config) if any(missed) else 0.0
 
     overlap = max(0.0, min(v_end, p_end) - max(v_start, p_start))
     total = time.perf_counter() - round_start
@@ -407,16 +463,16 @@ def _plan_packed_request(engine: DraftEngine, seq: _Sequence, row: int, width: i
     """The packed-pass request of one row (its chain: uncached committed tokens, t and the unverified drafts;
     its candidate blocks) and the candidates' plan."""
     draft = seq.draft
-    chain = seq.tokens[engine.cache_lens[row] :] + draft.tokens[1:]
+    chain = seq.tokens[engine.cache_lens[row] :] + draft.tokens[1 : draft.chain_width]
     policy = config.candidate_policy
     keep = policy and (lambda values, costs: policy.count(width, len(chain), values, costs))
-    plan = plan_candidates(draft.confidences, draft.alternatives, width, config.packed_budget,
+    plan = plan_candidates(draft.confidences, draft.chain_alternatives(), draft.chain_width, config.packed_budget,
                            config.fan_out, engine.block_size, keep=keep)
     s = len(seq.tokens) - 1  # position of t
     return DraftRequest(chain, [BlockSpec(s + c.accepted, c.guess) for c in plan]), plan
 
 
-def _usable_parts(seqs, requests, plans, accepted, old_lengths, cache_lens):
+def _usable_parts(seqs, requests, plans, old_lengths, cache_lens):
     """The part of each row's packed request that the known outcome (a, b) can use, its plan, and
     whether the row's fallback draft rides along.
 
@@ -434,12 +490,12 @@ def _usable_parts(seqs, requests, plans, accepted, old_lengths, cache_lens):
             kept_plans.append([])
             drafted.append(False)
             continue
-        bonus = seq.tokens[-1]
-        usable = [] if not seq.drafts_next else [
+        bonus, a = seq.tokens[-1], seq.chain_accepted
+        usable = [] if not seq.drafts_next or seq.left_chain else [
             (candidate, spec) for candidate, spec in zip(plan, request.blocks)
-            if candidate.accepted == accepted[r] and candidate.guess in (None, bonus)
+            if candidate.accepted == a and candidate.guess in (None, bonus)
         ]
-        chain = request.chain[: old_lengths[r] - cache_lens[r] + accepted[r]]
+        chain = request.chain[: old_lengths[r] - cache_lens[r] + a]
         blocks = [spec for _, spec in usable]
         miss = seq.drafts_next and not usable
         if miss:
@@ -450,18 +506,21 @@ def _usable_parts(seqs, requests, plans, accepted, old_lengths, cache_lens):
     return fed, kept_plans, drafted
 
 
-def _take_candidate(seq: _Sequence, plan, predictions: list[BlockPrediction], a: int, block: int,
-                    policy: WidthPolicy | None) -> bool:
-    """Make the candidate matching (a, b) the next draft; False when none matches (a fallback is needed)."""
-    bonus = seq.tokens[-1]
+def _take_candidate(seq: _Sequence, plan, predictions: list[BlockPrediction], block: int,
+                    config: DecodeConfig) -> bool:
+    """Make the candidate matching the outcome (a, b) the next draft; False when none matches (a fallback is
+    needed), as for every outcome that left the main chain of a tree."""
+    if seq.left_chain:
+        return False
+    bonus, a = seq.tokens[-1], seq.chain_accepted
     for candidate, prediction in zip(plan, predictions):
         if candidate.accepted != a:
             continue
         if candidate.guess is None and prediction.tokens[0] == bonus:
             # All accepted: slot 1 drafted b itself; slots 2 .. B are the next drafts.
-            seq.draft = _Draft.from_slots(bonus, prediction, 1, block - 1, policy)
+            seq.draft = _new_draft(bonus, prediction, 1, block, config)
             return True
         if candidate.guess == bonus:
-            seq.draft = _Draft.from_slots(bonus, prediction, 0, block - 1, policy)
+            seq.draft = _new_draft(bonus, prediction, 0, block, config)
             return True
     return False

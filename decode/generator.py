@@ -89,6 +89,8 @@ class Generator:
         gate: "adaptive" runs plain target steps for a while where a reply's recent rounds commit fewer tokens
             than their cost buys on one-token steps (decode.gate; pass times measured as for `width`); "off"
             drafts every round.
+        tree_branches: greedy replies: next-best ids per slot a round may verify as a draft tree
+            (decode/tree.py; 0: chains).
         chat_template: run text prompts through the tokenizer's chat template.
         cache_dir: where the demo target is cached (None: $D3D_PRUNE_CACHE or $XDG_CACHE_HOME/d3d-prune).
 
@@ -101,17 +103,19 @@ class Generator:
     def __init__(self, drafter=None, target=None, *, tokenizer=None, decoder: str = "async",
                  dtype: str | torch.dtype = "auto", drafter_dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "cpu", width: str = "adaptive", gate: str = "adaptive",
-                 chat_template: bool = True, cache_dir=None):
+                 tree_branches: int = DecodeConfig.tree_branches, chat_template: bool = True, cache_dir=None):
         if decoder not in DECODERS:
             raise ConfigError(f"unknown decoder {decoder!r}; choose from {', '.join(DECODERS)}")
         if width not in WIDTH_MODES:
             raise ConfigError(f"unknown width {width!r}; choose {' or '.join(WIDTH_MODES)}")
         if gate not in GATE_MODES:
             raise ConfigError(f"unknown gate {gate!r}; choose {' or '.join(GATE_MODES)}")
+        if tree_branches < 0:
+            raise ConfigError(f"tree_branches must be >= 0 (got {tree_branches}); 0 verifies chains")
         self.pair = _load_pair(drafter, target, tokenizer, dtype, drafter_dtype, torch.device(device), cache_dir)
         self.decoder = decoder
         self.chat_template = chat_template
-        self.config = DecodeConfig(stop_ids=self.pair.stop_ids)
+        self.config = DecodeConfig(stop_ids=self.pair.stop_ids, tree_branches=tree_branches)
         if "adaptive" in (width, gate) and decoder != "ar":
             times = measure_pass_times(self.pair.target, self.pair.drafter, self.config)
             self.config = self.config.tuned_to(times, width=width == "adaptive", gate=gate == "adaptive")

@@ -4,7 +4,8 @@ Every verifier follows the `Verifier` protocol: it keeps a position counter; `pr
 prompt, `verify(tokens)` feeds the next tokens and returns the target's choice after each of them, and
 `commit(length)` rolls the state back to the first `length` positions (the committed ones). A decoder
 runs unchanged against any of them: `LiveVerifier` runs the target, `ReplayVerifier` answers from its
-recorded greedy trajectory.
+recorded greedy trajectory. A verify may feed a draft tree (decode/tree.py: each token after its parent);
+the commit that follows then names the fed tokens it keeps.
 """
 
 from dataclasses import dataclass
@@ -14,7 +15,10 @@ import torch
 
 from models.errors import DataError
 from models.inference import target_runner
+from models.masks import tree_mask
 from models.transfer import upload
+
+from .tree import DraftTree
 
 
 @dataclass
@@ -48,12 +52,15 @@ class Verifier(Protocol):
         """Start a new sequence with `prompt`; returns the target's output after its last token (one row)."""
         ...
 
-    def verify(self, tokens: list[int]) -> TargetOutput:
-        """Feed `tokens` after the current position; one output row per token."""
+    def verify(self, tokens: list[int], parents: list[int] | None = None) -> TargetOutput:
+        """Feed `tokens` after the current position; one output row per token. `parents` (greedy only): token
+        i follows token parents[i] instead of token i - 1 (a draft tree; -1 for the first token)."""
         ...
 
-    def commit(self, length: int) -> None:
-        """Keep only the first `length` positions (the committed tokens); the next verify feeds from there."""
+    def commit(self, length: int, kept: list[int] | None = None) -> None:
+        """Keep only the first `length` positions (the committed tokens); the next verify feeds from there.
+        `kept`: after a tree verify, the indices of the fed tokens that hold the committed positions from the
+        verify's start on, in order (None: the fed tokens in the order fed, as after a chain)."""
         ...
 
 
@@ -76,12 +83,20 @@ class LiveVerifier:
         self.runner = target_runner(model, lean)  # the target is frozen: prepacked where that is faster
         self.cache = None
         self.length = 0
+        self.fed_from = 0  # the position the last verify fed from
+        self.runner_dtype = next(model.parameters()).dtype
 
     @torch.inference_mode()
-    def _forward(self, tokens: list[int], last_only: bool) -> TargetOutput:
+    def _forward(self, tokens: list[int], last_only: bool, parents: list[int] | None = None) -> TargetOutput:
         ids = upload(torch.tensor([tokens], dtype=torch.long), self.device)  # no host wait on CUDA
-        positions = torch.arange(self.length, self.length + len(tokens), device=self.device)[None]
-        hidden = self.runner.forward(ids, positions, None, self.cache)
+        if parents is None:
+            positions, mask = torch.arange(self.length, self.length + len(tokens), device=self.device)[None], None
+        else:
+            depths = DraftTree(tokens, parents, 1).depths
+            positions = upload(torch.tensor([depths], dtype=torch.long), self.device) + self.length
+            mask = tree_mask(parents, self.cache.length, self.runner_dtype, self.device)
+        self.fed_from = self.length
+        hidden = self.runner.forward(ids, positions, mask, self.cache)
         self.length += len(tokens)
         logits = self.runner.logits(hidden[0, -1:] if last_only else hidden[0]).float()
         greedy = logits.argmax(-1).tolist()
@@ -96,12 +111,21 @@ class LiveVerifier:
         self.length = 0
         return self._forward(prompt, last_only=True)
 
-    def verify(self, tokens: list[int]) -> TargetOutput:
-        """Feed `tokens` after the current position; one output row per token."""
-        return self._forward(tokens, last_only=False)
+    def verify(self, tokens: list[int], parents: list[int] | None = None) -> TargetOutput:
+        """Feed `tokens` after the current position (as a tree where `parents` is given); one output row per
+        token."""
+        if parents is not None and self.temperature > 0:
+            raise ValueError("draft trees are verified greedily only")
+        return self._forward(tokens, last_only=False, parents=parents)
 
-    def commit(self, length: int) -> None:
-        """Keep only the first `length` positions."""
+    def commit(self, length: int, kept: list[int] | None = None) -> None:
+        """Keep only the first `length` positions; after a tree verify, the fed tokens `kept` hold those from
+        the verify's start on (their cache slots move down to follow the committed prefix)."""
+        if kept is not None and length > self.fed_from:
+            kept = kept[: length - self.fed_from]
+            if kept != list(range(len(kept))):
+                slots = list(range(self.fed_from)) + [self.fed_from + i for i in kept]
+                self.cache.keep_rows(torch.tensor([slots], dtype=torch.long))
         self.cache.crop(length)
         self.length = length
 
@@ -134,10 +158,19 @@ class ReplayVerifier:
         self.length = len(prompt)
         return self._answer(len(prompt) - 1, 1)
 
-    def verify(self, tokens: list[int]) -> TargetOutput:
-        out = self._answer(self.length, len(tokens))
+    def verify(self, tokens: list[int], parents: list[int] | None = None) -> TargetOutput:
+        if parents is None:
+            out = self._answer(self.length, len(tokens))
+        else:  # a node's answer is known where its path is the trajectory's; elsewhere -1, never read
+            depths, on_path = DraftTree(tokens, parents, 1).depths, []
+            for token, parent, depth in zip(tokens, parents, depths):
+                j = self.length + depth
+                on_path.append((parent < 0 or on_path[parent]) and j < len(self.trajectory)
+                               and self.trajectory[j] == token)
+            answers = self._answer(self.length, max(depths) + 1).tokens
+            out = TargetOutput([answers[depth] if on else -1 for on, depth in zip(on_path, depths)])
         self.length += len(tokens)
         return out
 
-    def commit(self, length: int) -> None:
+    def commit(self, length: int, kept: list[int] | None = None) -> None:
         self.length = length

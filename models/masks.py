@@ -216,3 +216,19 @@ def mask_from_table(table: torch.Tensor, batch: int, q_max: int, padded_cache_le
     visible = torch.cat([sees_cache, sees_chain | sees_block | own], dim=2)
     mask = torch.zeros(visible.shape, dtype=dtype, device=table.device).masked_fill_(~visible, float("-inf"))
     return mask[:, None], position
+
+
+def tree_mask(parents: list[int], cache_len: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask `(1, 1, n, cache_len + n)` of a verify pass that feeds a draft tree: n tokens with
+    `parents[i]` the index of token i's parent among them (-1 for the first, whose parent is the cache's last
+    position). Each token sees every cached key, its ancestors and itself (0), nothing else (-inf): the
+    attention a chain of its path would see. A chain (parents i - 1) gives the causal mask."""
+    n = len(parents)
+    visible = torch.zeros(n, cache_len + n, dtype=torch.bool)
+    visible[:, :cache_len] = True
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            visible[i, cache_len : cache_len + i] = visible[parent, cache_len : cache_len + i]
+        visible[i, cache_len + i] = True
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+    return mask.to(device)[None, None]

@@ -2,8 +2,9 @@
 # The GPU check: the tests that exercise CUDA first (tests/test_devices.py: exactness, replay, the drafter
 # stream's ordering against weight changes, staged inputs, sampling and timing on the device), then
 # `prune bench` of the demo pair on cuda in bfloat16 and float32 and the measured overlap of the verify and
-# packed passes, as one table. About 5 minutes on one H200; each part has a time limit, so the whole stays
-# under 8 minutes (2 + 2 x 2.5). Needs the demo target already cached (no network on a GPU box): copy the
+# packed passes, and the same bench in bfloat16 with draft trees (`--tree-branches 2`, decode/tree.py), as one
+# table. About 5 minutes on one H200; each part has a time limit, so the whole stays under 8 minutes
+# (2 + 2 x 2 + 1.5). Needs the demo target already cached (no network on a GPU box): copy the
 # cache folder ($D3D_PRUNE_CACHE or ~/.cache/d3d-prune, the `targets/` and `suites` parts) there first, or
 # set D3D_PRUNE_CACHE to a copy of it.
 #
@@ -26,11 +27,16 @@ if [ "$status" -ne 0 ]; then echo "gpu-check: the tests failed or ran past 2 min
 
 for dtype in bfloat16 float32; do
     echo "== prune bench on cuda, $dtype"
-    timeout 150 $PRUNE bench --device cuda --dtype "$dtype" --decoder all --suite humaneval:eval --limit 10 \
+    timeout 120 $PRUNE bench --device cuda --dtype "$dtype" --decoder all --suite humaneval:eval --limit 10 \
         --max-new-tokens 128 --json "$OUT/bench-$dtype.json" > "$OUT/bench-$dtype.txt" \
-        || { echo "gpu-check: prune bench ($dtype) failed or ran past 2.5 minutes (exit $?)" >&2; exit 1; }
+        || { echo "gpu-check: prune bench ($dtype) failed or ran past 2 minutes (exit $?)" >&2; exit 1; }
     cat "$OUT/bench-$dtype.txt"
 done
+echo "== prune bench on cuda, bfloat16, draft trees"
+timeout 90 $PRUNE bench --device cuda --dtype bfloat16 --decoder ar,sync,async --tree-branches 2 \
+    --suite humaneval:eval --limit 10 --max-new-tokens 128 --json "$OUT/bench-tree.json" > "$OUT/bench-tree.txt" \
+    || { echo "gpu-check: prune bench (trees) failed or ran past 1.5 minutes (exit $?)" >&2; exit 1; }
+cat "$OUT/bench-tree.txt"
 
 echo "== one table"
 $PY - "$OUT" <<'PY'
@@ -38,8 +44,8 @@ import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 print(f"{'dtype':9} {'decoder':9} {'tau':>6} {'ms/token':>9} {'speedup':>8} {'predicted':>9} {'exact':>6} {'limit':>6}")
-for dtype in ("bfloat16", "float32"):
-    report = json.loads((out / f"bench-{dtype}.json").read_text())
+for dtype, part in (("bfloat16", "bfloat16"), ("float32", "float32"), ("bf16+tree", "tree")):
+    report = json.loads((out / f"bench-{part}.json").read_text())
     decoders = report.get("decoders") or report["drafters"][0]["decoders"]
     for name, d in decoders.items():
         cells = [d.get(k) for k in ("tau_macro", "time_per_token_ms", "speedup_vs_ar", "predicted_speedup",

@@ -189,6 +189,24 @@ def test_bench_several_drafters_share_one_ar_run(pair_dirs, second_drafter, caps
     assert "drafter-b against drafter, async: " in table and "of its tau" in table
 
 
+def test_bench_with_draft_trees_is_exact_and_replay_reproduces_live(pair_dirs, capsys, tmp_path):
+    saved = tmp_path / "out.jsonl"
+    assert main(bench_args(pair_dirs, "--decoder", "ar,sync,async", "--tree-branches", "2", "--gate", "off",
+                           "--save-outputs", str(saved), "--json", "-")) == 0
+    live = json.loads(capsys.readouterr().out)
+    assert live["settings"]["decode"]["tree_branches"] == 2
+    assert main(bench_args(pair_dirs, "--decoder", "sync,async", "--verify", "replay", "--tree-branches", "2",
+                           "--ar-outputs", str(saved), "--json", "-")) == 0
+    replayed = json.loads(capsys.readouterr().out)
+    for name in ("sync", "async"):
+        assert live["decoders"][name]["exact_match_vs_ar"] is True
+        for key in ("tau_per_prompt", "acceptance_histogram", "verify_width_mean"):
+            assert replayed["decoders"][name][key] == live["decoders"][name][key]
+    with pytest.raises(SystemExit) as exit_info:
+        main(bench_args(pair_dirs, "--tree-branches", "-1"))
+    assert exit_info.value.code == 2 and "--tree-branches" in capsys.readouterr().err
+
+
 def test_bench_baselines_and_decoder_lists(pair_dirs, second_drafter, capsys, tmp_path):
     assert main(bench_args(pair_dirs, "--decoder", "ar,pld", "--pld-tokens", "3", "--json", "-")) == 0
     report = json.loads(capsys.readouterr().out)  # one drafter: the single-table layout

@@ -39,10 +39,11 @@ def on(device, *models):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("width_policy", [None, WidthPolicy(0.08, 0.5)], ids=["fixed", "adaptive"])
-def test_sync_and_async_equal_ar_and_replay_equals_live(device, width_policy, no_tf32):
+@pytest.mark.parametrize("width_policy,tree_branches", [(None, 0), (WidthPolicy(0.08, 0.5), 0),
+                                                        (WidthPolicy(0.02, 0.5), 2)], ids=["fixed", "adaptive", "tree"])
+def test_sync_and_async_equal_ar_and_replay_equals_live(device, width_policy, tree_branches, no_tf32):
     target, drafter = on(device, *trained_drafter())
-    config = DecodeConfig(max_new_tokens=37, width_policy=width_policy)
+    config = DecodeConfig(max_new_tokens=37, width_policy=width_policy, tree_branches=tree_branches)
     for seed in range(2):
         prompt = prompt_ids(5 + 20 * seed, seed=400 + seed)
         reference = decode_ar(target, prompt, config).output_ids

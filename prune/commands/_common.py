@@ -121,6 +121,22 @@ def gate_mode(args) -> str:
     return mode
 
 
+def add_tree_arg(parser) -> None:
+    """--tree-branches, the draft trees of decoders that serve (bench, generate)."""
+    default = DECODE["tree_branches"]
+    parser.add_argument("--tree-branches", type=_types.non_negative_int, default=default, metavar="K",
+                        help="sync and async, greedy: a round may verify up to K next-best ids per slot beside the "
+                        "drafts, as a tree in the same target pass, as many nodes as the cost model says pay "
+                        "(decode/tree.py; the verify width then counts every node); pays where verifying more "
+                        "tokens costs little (a GPU); 0 verifies a chain, the default because trees measured "
+                        f"no faster on 2 CPU cores (default: {default})")
+
+
+def tree_branches(args) -> int:
+    """The --tree-branches of `args` (chains, 0, where the command has none)."""
+    return getattr(args, "tree_branches", 0)
+
+
 def add_screen_args(parser) -> None:
     """The scoring round's screening flags (prune.config.ScoreConfig.screen_prompts)."""
     parser.add_argument("--screen-prompts", type=_types.non_negative_int, default=SCORE["screen_prompts"],
@@ -153,7 +169,7 @@ def decode_configs(args, pair, drafters, log=None, **fields) -> list:
     from prune.cache import cached_json
 
     base = DecodeConfig(stop_ids=pair.stop_ids, packed_budget=args.packed_budget,
-                        draft_threads=args.draft_threads, **fields)
+                        draft_threads=args.draft_threads, tree_branches=tree_branches(args), **fields)
     for drafter in drafters:
         base.verify_block(drafter.config.block_size)
     cache = cache_dir(args)

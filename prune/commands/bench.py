@@ -16,6 +16,7 @@ from ._common import (
     add_debug,
     add_decode_args,
     add_gate_arg,
+    add_tree_arg,
     add_model_args,
     add_prompt_args,
     cache_dir,
@@ -86,6 +87,7 @@ def add_parser(subparsers) -> None:
                         "file of the same target, prompts and --max-new-tokens instead of decoding them")
     add_decode_args(parser)
     add_gate_arg(parser, None)
+    add_tree_arg(parser)
     parser.add_argument("--fan-out", type=_types.non_negative_int, default=DECODE["fan_out"],
                         help="async: most bonus guesses per outcome")
     parser.add_argument("--sequential", action="store_true",

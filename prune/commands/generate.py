@@ -19,6 +19,7 @@ from ._common import (
     add_debug,
     add_decode_args,
     add_gate_arg,
+    add_tree_arg,
     add_model_args,
     decode_config,
     model_paths,
@@ -66,6 +67,7 @@ def add_parser(subparsers) -> None:
                         "of streaming text; always on with --prompts")
     add_decode_args(parser)
     add_gate_arg(parser, GATE_MODES[0])
+    add_tree_arg(parser)
     add_debug(parser)
     parser.set_defaults(run=run)
 
