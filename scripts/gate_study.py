@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file fr
 
 import torch  # noqa: E402
 
-from decode.acceptance import greedy_outcome  # noqa: E402
 from decode.config import DecodeConfig  # noqa: E402
 from decode.decoders import decode_ar  # noqa: E402
 from decode.engine import DraftEngine, DraftRequest  # noqa: E402
@@ -34,6 +33,8 @@ from decode.gate import GatePolicy  # noqa: E402
 from decode.prompts import select_records, tokenize_records  # noqa: E402
 from decode.suites import load_suite  # noqa: E402
 from decode.timing import measure_pass_times  # noqa: E402
+from decode.tree import greedy_path, grow  # noqa: E402
+from decode.verifiers import ReplayVerifier  # noqa: E402
 from decode.cost import PassTimes, WidthPolicy  # noqa: E402
 from models.demo import DEMO_DRAFTER_DIR, resolve_demo_target  # noqa: E402
 from models.masks import BlockSpec  # noqa: E402
@@ -45,7 +46,8 @@ GRID = {"smoothing": (0.35, 0.5, 0.65), "first_wait": (4, 8, 12), "max_wait": (1
 
 def record(pair, prompt_ids: list[int], config: DecodeConfig, block: int) -> list[tuple[int, int]]:
     """(a, W) of a drafting round at each position p of the prompt's greedy decode, p from the first output
-    token on: W from the width policy, a the drafts that the trajectory accepts."""
+    token on: W the tokens the round verifies (the width policy's chain, or a draft tree where
+    `config.tree_branches` > 0), a the drafts that the trajectory accepts."""
     output = decode_ar(pair.target, prompt_ids, config).output_ids
     trajectory = prompt_ids + output
     engine = DraftEngine(pair.drafter, rows=1)
@@ -54,12 +56,14 @@ def record(pair, prompt_ids: list[int], config: DecodeConfig, block: int) -> lis
         request = DraftRequest(trajectory[engine.cache_lens[0] : position + 1], [BlockSpec(position)])
         prediction = engine.forward([request])[0][0]
         engine.keep([len(request.chain)])
-        widest = min(block, len(trajectory) - position)  # nothing to verify past the end
-        width = config.width_policy.choose(prediction.probs[: widest - 1], widest)
-        # the target's greedy tokens after t, d1, ... are the trajectory's (-1 past its end, never read)
-        answers = (trajectory + [-1])[position + 1 : position + 1 + width]
-        accepted, _ = greedy_outcome(prediction.tokens[: width - 1], answers)
-        rounds.append((accepted, width))
+        slots = min(block, len(trajectory) - position) - 1  # nothing to verify past the end
+        tree = grow(trajectory[position], prediction.tokens[:slots], prediction.probs[:slots],
+                    prediction.alternatives[:slots], config.tree_branches, slots, config.width_policy)
+        # the target's answers are the trajectory's (a replay of it, from this position on)
+        replay = ReplayVerifier(trajectory)
+        replay.length = position
+        path, _ = greedy_path(tree, replay.verify(tree.tokens, None if tree.is_chain else tree.parents).tokens)
+        rounds.append((len(path), len(tree.tokens)))
     return rounds
 
 
@@ -107,11 +111,13 @@ def main(argv=None) -> int:
     parser.add_argument("--grid", action="store_true", help="also simulate every setting of GRID")
     parser.add_argument("--pass-times", default=None, type=json.loads,
                         help="pass times as JSON (decode.cost.PassTimes fields) instead of measuring them")
+    parser.add_argument("--tree-branches", type=int, default=0,
+                        help="record draft trees of up to K next-best ids per slot (decode/tree.py; default: 0, chains)")
     parser.add_argument("--json", default=None, help="write the recorded rounds and results here")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     pair = load_pair(DEMO_DRAFTER_DIR, resolve_demo_target())
-    base = DecodeConfig(max_new_tokens=args.max_new_tokens, stop_ids=pair.stop_ids)
+    base = DecodeConfig(max_new_tokens=args.max_new_tokens, stop_ids=pair.stop_ids, tree_branches=args.tree_branches)
     with torch.inference_mode():
         times = PassTimes(**args.pass_times) if args.pass_times else measure_pass_times(pair.target, pair.drafter, base)
         config = base.tuned_to(times, gate=True)

@@ -179,3 +179,19 @@ def save_chat_pair(root, drafter_layers: int = 2, block_size: int = 4):
     for folder in ("target", "drafter"):
         tokenizer.save_pretrained(str(root / folder))
     return root
+
+
+def replays_in_a_batch_and_alone(target, drafter, prompts: list[list[int]], config):
+    """For sync and async: (decoder, batched results, results of each prompt alone) of replaying the target's
+    greedy trajectories of `prompts` under `config`, once in one lockstep batch and once a prompt at a time;
+    the batch's outputs are checked against the trajectories here."""
+    from decode.decoders import decode_ar, decode_speculative
+    from decode.verifiers import ReplayVerifier
+
+    trajectories = [p + decode_ar(target, p, config).output_ids for p in prompts]
+    for decoder in ("sync", "async"):
+        batched = decode_speculative(decoder, drafter, [ReplayVerifier(t) for t in trajectories], prompts, config)
+        singles = [decode_speculative(decoder, drafter, [ReplayVerifier(t)], [p], config)[0]
+                   for p, t in zip(prompts, trajectories)]
+        assert [r.output_ids for r in batched] == [t[len(p):] for p, t in zip(prompts, trajectories)]
+        yield decoder, batched, singles

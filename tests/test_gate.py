@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from _pairs import constant_pair, prompt_ids, tiny_target, trained_drafter
+from _pairs import constant_pair, prompt_ids, replays_in_a_batch_and_alone, tiny_target, trained_drafter
 from conftest import build_tiny_drafter
 from decode import cost
 from decode.decoders import DecodeConfig, decode_ar, decode_speculative
@@ -103,12 +103,7 @@ def test_a_trained_drafter_gated_in_a_batch_is_exact_and_batch_independent():
     target, drafter = trained_drafter()
     config = replace(_gated_config(), gate_policy=GatePolicy(cost.WidthPolicy(slope=0.0, fixed=1.6)))
     prompts = [prompt_ids(n, seed=40 + n) for n in (2, 7, 11)]
-    trajectories = [p + decode_ar(target, p, config).output_ids for p in prompts]
-    for decoder in ("sync", "async"):
-        batched = decode_speculative(decoder, drafter, [ReplayVerifier(t) for t in trajectories], prompts, config)
-        singles = [decode_speculative(decoder, drafter, [ReplayVerifier(t)], [p], config)[0]
-                   for p, t in zip(prompts, trajectories)]
-        assert [r.output_ids for r in batched] == [t[len(p):] for p, t in zip(prompts, trajectories)]
+    for _, batched, singles in replays_in_a_batch_and_alone(target, drafter, prompts, config):
         assert [r.round_trace for r in batched] == [r.round_trace for r in singles]
         assert [[rnd.drafted for rnd in r.rounds] for r in batched] == [[rnd.drafted for rnd in r.rounds]
                                                                       for r in singles]

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from _pairs import prompt_ids, tiny_target, trained_drafter
+from _pairs import prompt_ids, replays_in_a_batch_and_alone, tiny_target, trained_drafter
 from decode import cost
 from decode.decoders import DecodeConfig, decode_ar, decode_speculative
 from decode.tree import chain_tree, greedy_path, grow
@@ -141,12 +141,7 @@ def test_tree_rows_in_a_replayed_batch_decide_as_each_prompt_alone():
     target, drafter = trained_drafter()
     config = DecodeConfig(max_new_tokens=32, width_policy=FREE_WIDTH, tree_branches=3)
     prompts = [prompt_ids(n, seed=70 + n) for n in (2, 6, 10)]
-    trajectories = [p + decode_ar(target, p, config).output_ids for p in prompts]
-    for decoder in ("sync", "async"):
-        batched = decode_speculative(decoder, drafter, [ReplayVerifier(t) for t in trajectories], prompts, config)
-        singles = [decode_speculative(decoder, drafter, [ReplayVerifier(t)], [p], config)[0]
-                   for p, t in zip(prompts, trajectories)]
-        assert [r.output_ids for r in batched] == [t[len(p):] for p, t in zip(prompts, trajectories)]
+    for _, batched, singles in replays_in_a_batch_and_alone(target, drafter, prompts, config):
         assert [r.round_trace for r in batched] == [r.round_trace for r in singles]
 
 
