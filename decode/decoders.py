@@ -36,7 +36,7 @@ from .config import DecodeConfig
 from .cost import WidthPolicy
 from .engine import BlockPrediction, DraftEngine, DraftRequest
 from .planner import plan_candidates
-from .tree import DraftTree, grow, greedy_path
+from .tree import greedy_path, grow
 from .verifiers import LiveVerifier, TargetOutput, Verifier
 from .worker import draft_worker, thread_split
 
@@ -137,6 +137,7 @@ class _Draft:
             chain_end = first_slot + tree.chain - 1
             return cls(tree.tokens, prediction.probs[first_slot:chain_end],
                        prediction.alternatives[first_slot:chain_end], None if tree.is_chain else tree.parents)
+        # A chain directly (what `grow` without branches gives, without its heap: this runs every round)
         if policy is not None:
             end = first_slot + policy.choose(prediction.probs[first_slot:end], count + 1) - 1
         return cls(
@@ -223,20 +224,19 @@ class _Sequence:
         draft = self.draft
         out = self.verifier.verify(draft.tokens, draft.parents)
         if draft.parents is not None:
-            path, bonus = greedy_path(DraftTree(draft.tokens, draft.parents, draft.chain_width), out.tokens)
-            self.chain_accepted = next((k for k, node in enumerate(path) if node != k + 1), len(path))
-            self.left_chain = self.chain_accepted < len(path)
-            a = self._commit([draft.tokens[node] for node in path] + [bonus], [0] + path)
-            self.left_chain = self.left_chain and a > self.chain_accepted  # the stop rule may cut it first
-            self.chain_accepted = min(self.chain_accepted, a)
-            return a
-        drafts = draft.tokens[1:]
-        if out.probs is None:
-            a, bonus = greedy_outcome(drafts, out.tokens)
+            path, bonus = greedy_path(draft.tokens, draft.parents, out.tokens)
+            committed, fed = [draft.tokens[node] for node in path] + [bonus], [0] + path
+            on_chain = next((k for k, node in enumerate(path) if node != k + 1), len(path))
         else:
-            a, bonus = sampled_outcome(drafts, out.probs, self.generator)
-        a = self._commit(drafts[:a] + [bonus])
-        self.chain_accepted, self.left_chain = a, False
+            drafts, fed = draft.tokens[1:], None
+            if out.probs is None:
+                on_chain, bonus = greedy_outcome(drafts, out.tokens)
+            else:
+                on_chain, bonus = sampled_outcome(drafts, out.probs, self.generator)
+            committed = drafts[:on_chain] + [bonus]
+        a = self._commit(committed, fed)
+        # what the async packed pass can use; the stop rule may cut the path before it leaves the chain
+        self.chain_accepted, self.left_chain = min(on_chain, a), a > on_chain
         return a
 
     def step(self) -> tuple[int, int | None]:

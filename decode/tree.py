@@ -40,14 +40,6 @@ class DraftTree:
     chain: int
 
     @property
-    def depths(self) -> list[int]:
-        """Per fed token, its distance from t (the RoPE offset of its position after t's)."""
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(0 if parent < 0 else depths[parent] + 1)
-        return depths
-
-    @property
     def is_chain(self) -> bool:
         return len(self.tokens) == self.chain
 
@@ -90,18 +82,23 @@ def grow(root: int, drafts: list[int], confidences: list[float], alternatives: l
     return DraftTree(tokens, parents, 1 + len(main))
 
 
-def chain_tree(tokens: list[int]) -> DraftTree:
-    """The tree of a chain t, d_1 .. d_(W-1)."""
-    return DraftTree(list(tokens), list(range(-1, len(tokens) - 1)), len(tokens))
+def depths(parents: list[int]) -> list[int]:
+    """Per fed token of a tree with `parents` (as `DraftTree.parents`), its distance from t: the offset of its
+    position after t's."""
+    result: list[int] = []
+    for parent in parents:
+        result.append(0 if parent < 0 else result[parent] + 1)
+    return result
 
 
-def greedy_path(tree: DraftTree, answers: list[int]) -> tuple[list[int], int]:
-    """(the fed indices of the accepted nodes after t, in order; the target's choice after the last of them).
+def greedy_path(tokens: list[int], parents: list[int], answers: list[int]) -> tuple[list[int], int]:
+    """(the fed indices of the accepted nodes after t, in order; the target's choice after the last of them)
+    for a tree of fed `tokens` with `parents` (as `DraftTree`'s).
 
     `answers[i]` is the target's greedy choice after fed token i (read only along the accepted path)."""
-    children: dict[int, dict[int, int]] = {}
-    for i in range(len(tree.tokens) - 1, 0, -1):  # the first child with an id wins (ids are distinct anyway)
-        children.setdefault(tree.parents[i], {})[tree.tokens[i]] = i
+    children: dict[int, dict[int, int]] = {}  # siblings carry distinct ids
+    for i in range(1, len(tokens)):
+        children.setdefault(parents[i], {})[tokens[i]] = i
     path, node = [], 0
     while (child := children.get(node, {}).get(answers[node])) is not None:
         path.append(child)

@@ -18,7 +18,7 @@ from models.inference import target_runner
 from models.masks import tree_mask
 from models.transfer import upload
 
-from .tree import DraftTree
+from .tree import depths
 
 
 @dataclass
@@ -92,8 +92,7 @@ class LiveVerifier:
         if parents is None:
             positions, mask = torch.arange(self.length, self.length + len(tokens), device=self.device)[None], None
         else:
-            depths = DraftTree(tokens, parents, 1).depths
-            positions = upload(torch.tensor([depths], dtype=torch.long), self.device) + self.length
+            positions = upload(torch.tensor([depths(parents)], dtype=torch.long), self.device) + self.length
             mask = tree_mask(parents, self.cache.length, self.runner_dtype, self.device)
         self.fed_from = self.length
         hidden = self.runner.forward(ids, positions, mask, self.cache)
@@ -162,13 +161,13 @@ class ReplayVerifier:
         if parents is None:
             out = self._answer(self.length, len(tokens))
         else:  # a node's answer is known where its path is the trajectory's; elsewhere -1, never read
-            depths, on_path = DraftTree(tokens, parents, 1).depths, []
-            for token, parent, depth in zip(tokens, parents, depths):
+            offsets, on_path = depths(parents), []
+            for token, parent, depth in zip(tokens, parents, offsets):
                 j = self.length + depth
                 on_path.append((parent < 0 or on_path[parent]) and j < len(self.trajectory)
                                and self.trajectory[j] == token)
-            answers = self._answer(self.length, max(depths) + 1).tokens
-            out = TargetOutput([answers[depth] if on else -1 for on, depth in zip(on_path, depths)])
+            answers = self._answer(self.length, max(offsets) + 1).tokens
+            out = TargetOutput([answers[depth] if on else -1 for on, depth in zip(on_path, offsets)])
         self.length += len(tokens)
         return out
 

@@ -62,7 +62,8 @@ def record(pair, prompt_ids: list[int], config: DecodeConfig, block: int) -> lis
         # the target's answers are the trajectory's (a replay of it, from this position on)
         replay = ReplayVerifier(trajectory)
         replay.length = position
-        path, _ = greedy_path(tree, replay.verify(tree.tokens, None if tree.is_chain else tree.parents).tokens)
+        answers = replay.verify(tree.tokens, None if tree.is_chain else tree.parents).tokens
+        path, _ = greedy_path(tree.tokens, tree.parents, answers)
         rounds.append((len(path), len(tree.tokens)))
     return rounds
 

@@ -9,7 +9,7 @@ import torch
 from _pairs import prompt_ids, replays_in_a_batch_and_alone, tiny_target, trained_drafter
 from decode import cost
 from decode.decoders import DecodeConfig, decode_ar, decode_speculative
-from decode.tree import chain_tree, greedy_path, grow
+from decode.tree import greedy_path, grow
 from decode.verifiers import LiveVerifier, ReplayVerifier
 from models.masks import tree_mask
 
@@ -57,10 +57,10 @@ def test_a_tree_feeds_its_main_chain_first_and_every_parent_before_its_children(
 
 def test_the_walk_follows_the_targets_choices_through_the_tree():
     # t -> a (1) -> c (3); t -> b (2) -> d (4)
-    tree = replace(chain_tree([9]), tokens=[9, 11, 12, 13, 14], parents=[-1, 0, 0, 1, 2], chain=4)
-    assert greedy_path(tree, [12, -1, 14, -1, 77]) == ([2, 4], 77)  # off the main chain, to a leaf
-    assert greedy_path(tree, [11, 13, -1, 55, -1]) == ([1, 3], 55)
-    assert greedy_path(tree, [50, -1, -1, -1, -1]) == ([], 50)
+    tokens, parents = [9, 11, 12, 13, 14], [-1, 0, 0, 1, 2]
+    assert greedy_path(tokens, parents, [12, -1, 14, -1, 77]) == ([2, 4], 77)  # off the main chain, to a leaf
+    assert greedy_path(tokens, parents, [11, 13, -1, 55, -1]) == ([1, 3], 55)
+    assert greedy_path(tokens, parents, [50, -1, -1, -1, -1]) == ([], 50)
 
 
 def test_the_tree_mask_shows_each_token_its_ancestors_and_a_chain_is_causal():
