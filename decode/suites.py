@@ -23,6 +23,10 @@ down) is `train`, and the rest, in the same order, splits into `calib` (its firs
 trained on `train` prompts (the demo drafter was); the pruner calibrates on `calib` and reports on
 `eval`, so both are unseen by such a drafter and read alike (docs/design.md, "Prompt protocol"). The
 split depends only on the pinned data, never on a seed.
+
+A mix joins specs with "+" (`humaneval:calib+champ:calib+mtbench:calib`): the records of each, interleaved
+one from each in turn, so that the first N of a mix (`--limit N`) draw on every source alike and what follows
+them (a run's check prompts) does too.
 """
 
 import hashlib
@@ -36,6 +40,7 @@ from models.errors import DataError
 from .prompts import read_jsonl
 
 SUITES = ("humaneval", "mtbench", "champ")
+MIX = "+"  # joins suite specs into one interleaved source
 PARTS = ("train", "calib", "eval")
 HELD_OUT_PARTS = ("calib", "eval")  # the parts no drafter may be trained on
 DATA_FILES = {
@@ -66,12 +71,16 @@ CHAMP_INSTRUCTION = "Solve the following problem. Make sure to show your work be
 
 
 def load_suite(spec: str, cache_dir: str | os.PathLike | None = None, fetch: bool = True) -> list[dict]:
-    """The records of a suite, or of one part of it, in the data file's order.
+    """The records of a suite, or of one part of it, in the data file's order; of a mix, interleaved.
 
-    `spec` is NAME or NAME:PART (NAME in SUITES, PART in PARTS). `cache_dir` is the cache root (None: the
-    default, see models._wheels.default_cache_dir); with `fetch=False` a missing data file is a
-    DataError instead of a download. Returns a list of `{"id", "prompt", ...}` dicts.
+    `spec` is NAME or NAME:PART (NAME in SUITES, PART in PARTS), or several of those joined by MIX (see the
+    module docstring). `cache_dir` is the cache root (None: the default, see
+    models._wheels.default_cache_dir); with `fetch=False` a missing data file is a DataError instead of a
+    download. Returns a list of `{"id", "prompt", ...}` dicts.
     """
+    specs = parse_mix(spec)
+    if len(specs) > 1:
+        return _interleave([load_suite(one, cache_dir, fetch) for one in specs])
     name, part = parse_spec(spec)
     pairs = _records_with_groups(name, cache_dir, fetch)
     if part is None:
@@ -91,6 +100,25 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
     if colon and part not in PARTS:
         raise DataError(f"unknown part {part!r} of suite {name!r}; choose {name} or {name}:{', :'.join(PARTS)}")
     return name, part or None
+
+
+def parse_mix(spec: str) -> list[str]:
+    """The suite specs a mix joins (one for a plain spec), each checked by `parse_spec`; DataError when one is
+    unknown or two overlap (a suite beside one of its parts, or the same spec twice)."""
+    specs = spec.split(MIX)
+    parsed = [parse_spec(one) for one in specs]
+    for index, (name, part) in enumerate(parsed):
+        for other_name, other_part in parsed[:index]:
+            if name == other_name and (part == other_part or part is None or other_part is None):
+                raise DataError(f"suite mix {spec!r} names {name} twice ({specs[index]} overlaps an earlier "
+                                "spec); name each suite part once")
+    return specs
+
+
+def _interleave(sources: list[list[dict]]) -> list[dict]:
+    """One record from each source in turn while any has records left."""
+    longest = max(len(records) for records in sources)
+    return [records[index] for index in range(longest) for records in sources if index < len(records)]
 
 
 def split_ids(name: str, cache_dir: str | os.PathLike | None = None, fetch: bool = True) -> dict[str, list[str]]:

@@ -271,7 +271,8 @@ def _score_round(run: _Run, current, state: RunState, take: int) -> ScoreReport:
     with (run.hooks.progress or _silent)(f"step {step}: scoring", evaluations) as advance:
         report = cached_scores(c.cache, current, c.prompts, run.config.score, state.timing, c.target,
                                trajectories=c.trajectories, on_layer=lambda *_: advance(), journal=journal,
-                               store=False, carried=carried, take=take)
+                               store=False, carried=carried, take=take,
+                               on_total=lambda total: advance(0, total=total))
     fresh = sum(s.age is None for s in report.layers)
     run.log(f"step {step}: scored {fresh} of {layers} layers in this round ({clock(time.monotonic() - started)})")
     return report

@@ -283,7 +283,8 @@ class ScoringMemory:
 def round_evaluations(config: ScoreConfig, layers: int, prompts: int, carried: bool = False) -> int:
     """Evaluations (calls of `on_layer`) in a scoring round of `layers` layers on `prompts` prompts: one per
     layer, and one more per layer that a screening round scores on the rest of the prompts. A screening round
-    with `carried` scores (score_layers) evaluates only the carried candidates, unless they fail its check."""
+    with `carried` scores (score_layers) evaluates only the carried candidates, unless they fail its check
+    (score_layers then reports its new total through `on_total`)."""
     if not config.screen(prompts):
         return layers
     return min(config.screen_keep, layers) if carried else layers + min(config.screen_keep, layers)
@@ -292,7 +293,7 @@ def round_evaluations(config: ScoreConfig, layers: int, prompts: int, carried: b
 def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=None, trajectories=None,
                  on_layer=None, times: cost.PassTimes | None = None,
                  layer_costs: tuple[cost.LayerCost, cost.LayerCost] | None = None, journal=None,
-                 carried: list[LayerScore] | None = None, take: int = 1) -> ScoreReport:
+                 carried: list[LayerScore] | None = None, take: int = 1, on_total=None) -> ScoreReport:
     """Score every layer of `drafter` (see the module docstring).
 
     Args:
@@ -303,6 +304,9 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
         on_layer: optional callback(layer index, LayerScore) after each evaluation of a layer, e.g. a progress
             bar (`round_evaluations` calls in all, more when carried scores fail their check; a screened
             layer's first call has its first-pass score).
+        on_total: optional callback(evaluations) when the round's count of `on_layer` calls changes from
+            `round_evaluations`' (carried scores that fail their check): at once with its most, and again
+            with the exact count once the screening pass has ranked the layers.
         times: the pair's pass times (decode.timing.measure_pass_times); None measures them when a target
             is given. The target's times are shared by every layer.
         layer_costs: (sync draft, packed) pass time as functions of depth (decode.timing.drafter_layer_costs):
@@ -402,6 +406,9 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
                     journal.add_layer(carried_score)
 
     if not trusted:
+        if candidates and on_total is not None:  # the left-out layers get a first pass, the best a second
+            rest = layers - len(candidates)
+            on_total(len(candidates) + rest + min(config.screen_keep, rest))
         screen_speedup = speedup_of(screen_base)
         first_pass = {}  # layer -> (its evaluation on the first prompts, its score there); screening rounds only
         for layer in (layer for layer in range(layers) if layer not in candidates):
@@ -426,6 +433,8 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
             ranked = sorted([(entry[1].score, layer) for layer, entry in first_pass.items() if entry is not None]
                             + [(journal.layers[layer].score, layer) for layer in candidates])
             kept = {layer for _, layer in ranked[:config.screen_keep]}
+            if candidates and on_total is not None:
+                on_total(layers + len(kept - set(candidates)))
             for _, layer in ranked:
                 if layer in candidates:
                     continue
@@ -473,7 +482,7 @@ def cached_trajectories(folder: Path | None, target, prompts: list[list[int]], d
 
 def cached_scores(folder: Path | None, drafter, prompts: list[list[int]], config: ScoreConfig, timing, target,
                   trajectories=None, on_layer=None, journal=None, store: bool = True,
-                  carried: list[LayerScore] | None = None, take: int = 1) -> ScoreReport:
+                  carried: list[LayerScore] | None = None, take: int = 1, on_total=None) -> ScoreReport:
     """`score_layers` with the pass times of a campaign's `timing` (prune.state.Timing), cached under `folder`
     by prune.cache.score_key (no cache when folder or target is None; `store` False reads the cache but adds
     nothing to it): `prune score`, `prune run` and sweep trials with the same drafter, prompts, target and
@@ -488,7 +497,7 @@ def cached_scores(folder: Path | None, drafter, prompts: list[list[int]], config
     def score() -> ScoreReport:
         return score_layers(drafter, prompts, config, target=target, trajectories=trajectories, on_layer=on_layer,
                             times=timing.pass_times(layers), layer_costs=timing.layer_costs(), journal=journal,
-                            carried=carried, take=take)
+                            carried=carried, take=take, on_total=on_total)
 
     if folder is None or target is None:
         return score()

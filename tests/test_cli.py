@@ -624,7 +624,15 @@ def test_progress_off_a_terminal_is_a_plain_line_per_interval(capsys):
     assert [line.split(" (")[0] for line in lines] == ["score: 1/3", "score: 2/3", "score: 3/3"]
     with progress_bar("score", 3, enabled=False, log_every_s=0) as advance:
         advance()
+        advance(0, total=5)
     assert capsys.readouterr().err == ""
+    with progress_bar("score", 2, log_every_s=0) as advance:  # work that grows past its plan says so
+        advance()
+        advance(0, total=3)
+        advance()
+        advance()
+    assert [line.split(" (")[0] for line in capsys.readouterr().err.splitlines()] == [
+        "score: 1/2", "score: 2/3", "score: 3/3"]
 
 
 def test_pass_times_measured_on_a_busy_machine_come_with_a_warning(monkeypatch):

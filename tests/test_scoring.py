@@ -143,15 +143,19 @@ def test_a_round_screens_by_carried_scores_while_its_candidates_stay_below_the_r
     def carried(*values):  # a previous round's scores of layers 0, 1, 2
         return [replace(s, score=v, age=1) for s, v in zip(full.layers, values)]
 
+    totals = []  # what the round reports through on_total when its plan changes
+
     def scored(previous, journal=None):
         calls = []
+        totals.clear()
         report = score_layers(drafter, prompts, config, trajectories=trajectories, layer_costs=costs,
-                              carried=previous, journal=journal, on_layer=lambda *_: calls.append(1))
+                              carried=previous, journal=journal, on_layer=lambda *_: calls.append(1),
+                              on_total=totals.append)
         return report, len(calls)
 
     # Layer 1 carried far above the others: only layers 0 and 2 are evaluated, layer 1 keeps its old score.
     trusted, calls = scored(carried(0.0, 9.0, 0.1))
-    assert calls == scoring.round_evaluations(config, 3, 4, carried=True) == 2
+    assert calls == scoring.round_evaluations(config, 3, 4, carried=True) == 2 and totals == []
     assert trusted.layers[1] == carried(0.0, 9.0, 0.1)[1]
     for layer in (0, 2):
         fresh, whole = trusted.layers[layer], full.layers[layer]
@@ -164,6 +168,7 @@ def test_a_round_screens_by_carried_scores_while_its_candidates_stay_below_the_r
     distrusted, calls = scored(carried(-9.0, -9.0, -8.0))
     kept_all = distrusted.layers[2].prompts == 4
     assert all(s.age is None for s in distrusted.layers) and calls == 2 + 1 + kept_all
+    assert totals == [2 + 1 + 1, calls]  # at most one more second pass, then the exact count
     ranked = sorted([(full.layers[0].score, 0), (full.layers[1].score, 1), (half.layers[2].score, 2)])
     assert kept_all == (2 in {layer for _, layer in ranked[:2]})
     expected = full.layers[2] if kept_all else half.layers[2]

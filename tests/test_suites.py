@@ -220,3 +220,22 @@ def test_pip_failure_is_reported_clearly(tmp_path, fake_spec, monkeypatch):
         pinned_file(spec, tmp_path, log=lambda line: None)
     message = str(info.value)
     assert "fakepkg-d3d==1.0" in message and "No matching distribution" in message and spec.wheel in message
+
+
+def test_a_mix_interleaves_its_parts_one_record_from_each_in_turn():
+    for name in ("humaneval", "champ", "mtbench"):
+        read_or_skip(name)
+    mix = suites.load_suite("humaneval:calib+champ:calib+mtbench:calib", fetch=False)
+    parts = [suites.load_suite(spec, fetch=False) for spec in ("humaneval:calib", "champ:calib", "mtbench:calib")]
+    assert ids(mix[:6]) == [parts[0][0]["id"], parts[1][0]["id"], parts[2][0]["id"],
+                            parts[0][1]["id"], parts[1][1]["id"], parts[2][1]["id"]]
+    assert sorted(ids(mix)) == sorted(ids(parts[0] + parts[1] + parts[2]))  # every record once
+    # mtbench:calib (16) runs out first; the rest alternate between the other two
+    assert ids(mix[48:50]) == [parts[0][16]["id"], parts[1][16]["id"]]
+
+
+@pytest.mark.parametrize("spec", ["humaneval:calib+humaneval:calib", "champ+champ:eval", "humaneval:calib+nope"])
+def test_a_mix_names_each_part_once(spec):
+    with pytest.raises(DataError) as info:
+        suites.load_suite(spec, fetch=False)
+    assert "\n" not in str(info.value) and ("twice" in str(info.value) or "nope" in str(info.value))

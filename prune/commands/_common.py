@@ -235,8 +235,9 @@ def add_prompt_args(parser, default_suite: str = "humaneval:eval", max_new_token
                     limit: int | None = None) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--suite", default=None, metavar="NAME[:train|:calib|:eval]", type=_types.suite,
-                        help=f"built-in prompt suite: humaneval, mtbench or champ, optionally one part "
-                        f"(default when --prompts is not given: {default_suite})")
+                        help=f"built-in prompt suite: humaneval, mtbench or champ, optionally one part; "
+                        "several joined by + are interleaved one prompt from each in turn "
+                        f"(humaneval:calib+champ:calib) (default when --prompts is not given: {default_suite})")
     source.add_argument("--prompts", default=None, metavar="FILE.jsonl", type=_types.text_file,
                         help="JSONL prompts: records with prompt, messages or input_ids (optional id)")
     parser.set_defaults(default_suite=default_suite)

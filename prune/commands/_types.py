@@ -194,12 +194,12 @@ def data_dir(text: str) -> str:
 
 
 def suite(text: str) -> str:
-    """A built-in prompt suite, NAME or NAME:train / NAME:calib / NAME:eval."""
-    from decode.suites import parse_spec
+    """A built-in prompt suite, NAME or NAME:train / NAME:calib / NAME:eval, or a mix of them joined by "+"."""
+    from decode.suites import parse_mix
     from models.errors import DataError
 
     try:
-        parse_spec(text)
+        parse_mix(text)
     except DataError as exc:
         _reject(str(exc))
     return text

@@ -152,7 +152,7 @@ def _run(args) -> int:
         print(check_prompts_note(source, len(prompts), len(checks), args.check_prompts), file=sys.stderr)
         args.check_prompts = len(checks)
     decode, times = decode_config(args, pair, max_new_tokens=args.max_new_tokens)
-    examples, heal_data = heal_examples(args)
+    examples, heal_data = heal_examples(args) if args.heal_steps > 0 else (None, None)  # no heal: no data to read
     config = run_config(args, decode, healing=bool(examples))
     config.validate(pair.drafter.config.num_hidden_layers)
     cache = cache_dir(args)
