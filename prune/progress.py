@@ -28,7 +28,7 @@ def progress_bar(description: str, total: int, enabled: bool = True, log_every_s
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=Console(file=sys.stderr), transient=True) as progress:
         task = progress.add_task(description, total=total)
-        yield lambda n=1, total=None: progress.update(task, advance=n, **({} if total is None else {"total": total}))
+        yield lambda n=1, total=None: progress.update(task, advance=n, total=total)  # rich: total None = unchanged
 
 
 def _line_reporter(description: str, total: int, every_s: float):
