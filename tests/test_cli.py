@@ -403,7 +403,13 @@ def test_run_resume_and_bad_inputs(pair_dirs, capsys, tmp_path):
     assert main(fresh + ["--resume", "--speed-prompts", "0"]) == 0
     assert f"{tmp_path / 'new'} holds no pruning run yet; starting one" in capsys.readouterr().err
 
-    assert main(["export", str(tmp_path / "out" / "final"), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "out" / "final"), str(tmp_path / "bf16"), "--dtype", "bfloat16",
+                 "--json", "-"]) == 0
+    exported = json.loads(capsys.readouterr().out)
+    assert exported["dtype"] == "bfloat16" and exported["destination"] == str(tmp_path / "bf16")
+    assert exported["layers"] == json.loads((tmp_path / "bf16" / "config.json").read_text())["num_hidden_layers"]
+    assert exported["weights_bytes"] == (tmp_path / "bf16" / "model.safetensors").stat().st_size
     from safetensors import safe_open
 
     from prune.export import verify_export
@@ -477,9 +483,14 @@ def test_train_drafter_command_from_an_initial_drafter(tmp_path, capsys):
     args = ["train-drafter", "--data", str(data), "--init-from", str(tmp_path / "init"), "--out",
             str(tmp_path / "trained"), "--steps", "3", "--batch-size", "2", "--eval-size", "2", "--eval-every", "0",
             "--checkpoint-every", "0", "--warmup-steps", "1", "--no-progress", "--device", "cpu"]
-    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args + ["--json", "-"]) == 0
     provenance = json.loads((tmp_path / "trained" / "training.json").read_text())
     assert provenance["train_sequences"] == 8 and provenance["settings"]["steps"] == 3
+    summary = json.loads(capsys.readouterr().out)  # --json -: the run in brief, from training.json
+    assert summary["out"] == str(tmp_path / "trained") and summary["steps"] == 3
+    assert summary["train_sequences"] == 8 and summary["heldout_sequences"] == 2
+    assert summary["final_eval"] == provenance["final_eval"] and "json" not in provenance["settings"]
     assert load_drafter(tmp_path / "trained").config.num_hidden_layers == 2
     # What it was trained on: the initial drafter's record, then the data folder's 10 prompts.
     sets = read_training_prompts(tmp_path / "trained")

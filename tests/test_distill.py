@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from prune.training.data import generate_distillation_data, load_distillation_data
+from prune.training.data import distillation_summary, generate_distillation_data, load_distillation_data
 from prune.training.prompts import collect_training_prompts
 
 CHAT_TEMPLATE = (
@@ -185,6 +185,11 @@ def test_generation_writes_shards_and_a_restart_skips_them(tmp_path, monkeypatch
     before = (first.stat().st_ino, first.stat().st_mtime_ns)
     lost = (out / "shard-00001.jsonl").read_text()
     os.remove(out / "shard-00001.jsonl")
+    # What `prune distill --json` reports: finished shards of all, and the responses they hold.
+    summary = distillation_summary(out)
+    assert (summary["shards_finished"], summary["shards"], summary["responses"]) == (1, 2, 4)
+    assert summary["response_tokens"] == sum(len(r["response_ids"]) for r in records[:4])
+    assert summary["num_prompts"] == 6 and 0 <= summary["stopped_at_eos"] <= 1
     calls = []
     import prune.training.data as distill
 

@@ -41,6 +41,9 @@ def add_parser(subparsers) -> None:
                         "prompts of the suites' training parts (257; never a calibration or evaluation prompt); champ: CHAMP's "
                         "own prompt formats (partial solutions, hints, concepts) around its training-part problems (921); everyday: "
                         "instructions, everyday questions, arithmetic word problems and editing tasks from templates")
+    parser.add_argument("--json", metavar="OUT", default=None, type=_types.output_file,
+                        help="write what the folder holds (settings, finished shards, responses, response tokens) "
+                        "as JSON ('-' = stdout)")
     add_debug(parser)
     parser.set_defaults(run=run)
 
@@ -49,9 +52,9 @@ def run(args) -> int:
     import sys
 
     from models.demo import resolve_demo_target
-    from prune.training.data import generate_distillation_data
+    from prune.training.data import distillation_summary, generate_distillation_data
 
-    from ._common import quiet_libraries, resolve_device
+    from ._common import quiet_libraries, resolve_device, show_progress, write_json
 
     quiet_libraries()
     resolve_device(args.device)  # a device this machine lacks fails before the target loads
@@ -59,7 +62,9 @@ def run(args) -> int:
     out = generate_distillation_data(
         target, args.out, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, device=args.device, dtype=args.dtype, seed=args.seed,
-        shard_size=args.shard_size, progress=sys.stderr.isatty(), style=args.style,
+        shard_size=args.shard_size, progress=sys.stderr.isatty() and show_progress(args.json), style=args.style,
     )
-    print(out)
+    write_json(distillation_summary(out), args.json)
+    if args.json != "-":
+        print(out)
     return 0

@@ -21,6 +21,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--dtype", choices=("source", *DTYPES), default="source",
                         help="dtype of the exported weights; source: the dtype SOURCE's weights are stored in")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
+    parser.add_argument("--json", metavar="OUT", default=None, type=_types.output_file,
+                        help="write the export's record (source, destination, dtype, layers, bytes) as JSON "
+                        "('-' = stdout)")
     add_debug(parser)
     parser.set_defaults(run=run)
 
@@ -32,7 +35,7 @@ def run(args) -> int:
     from models.drafter import load_drafter
     from prune.export import export_step, read_report, resolve_export_dtype
 
-    from ._common import quiet_libraries
+    from ._common import quiet_libraries, write_json
 
     quiet_libraries()
     ensure_writable_output(args.destination, args.overwrite)  # before the weights load
@@ -40,7 +43,12 @@ def run(args) -> int:
     model = load_drafter(source)
     report, history = read_report(source)
     report["exported_from"] = str(source)
-    export_step(model, args.destination, source, report, history, dtype=resolve_export_dtype(args.dtype, source),
-                overwrite=args.overwrite)
-    print(args.destination)
+    dtype = resolve_export_dtype(args.dtype, source)
+    export_step(model, args.destination, source, report, history, dtype=dtype, overwrite=args.overwrite)
+    weights = Path(args.destination) / "model.safetensors"
+    write_json({"source": str(source), "destination": args.destination, "dtype": str(dtype).removeprefix("torch."),
+                "layers": model.config.num_hidden_layers,
+                "weights_bytes": weights.stat().st_size if weights.is_file() else None}, args.json)
+    if args.json != "-":
+        print(args.destination)
     return 0

@@ -31,9 +31,9 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from prune.training.driver import data_weights, train_demo_drafter
+    from prune.training.driver import data_weights, train_demo_drafter, training_summary
 
-    from ._common import quiet_libraries, resolve_device
+    from ._common import quiet_libraries, resolve_device, write_json
 
     quiet_libraries()
     if args.device != "auto":  # a device this machine lacks fails before anything is built
@@ -43,7 +43,8 @@ def run(args) -> int:
         from models.errors import ConfigError
 
         raise ConfigError("--split-idle splits the layers of a trained drafter; give it with --init-from DRAFTER")
-    train_demo_drafter(args)
+    folder = train_demo_drafter(args)
+    write_json(training_summary(folder), args.json)
     return 0
 
 
@@ -138,3 +139,6 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=t.non_negative_int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", metavar="OUT", default=None, type=t.output_file,
+                   help="write a summary of the run (updates, seconds, sequences, last evaluation, kept best) as JSON "
+                   "('-' = stdout)")

@@ -29,6 +29,11 @@ DISTILL_DEFAULTS = dict(num_prompts=2000, max_new_tokens=128, batch_size=16, sha
                         style=STYLES[0])
 
 
+def shard_file(folder: str | os.PathLike, n: int) -> Path:
+    """Shard `n` of a distillation folder (`shard-00000.jsonl`, ...)."""
+    return Path(folder) / f"shard-{n:05d}.jsonl"
+
+
 def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
@@ -126,7 +131,7 @@ def _answer_shards(target_dir: Path, out_dir: Path, shards: list[list[dict]], to
     from models.target import load_target
     from prune.progress import progress_bar
 
-    todo = [n for n in range(len(shards)) if not (out_dir / f"shard-{n:05d}.jsonl").is_file()]
+    todo = [n for n in range(len(shards)) if not shard_file(out_dir, n).is_file()]
     if not todo:
         return
     model = load_target(target_dir, dtype=dtype, device=device)
@@ -144,7 +149,7 @@ def _answer_shards(target_dir: Path, out_dir: Path, shards: list[list[dict]], to
                 for row, (ids, stopped) in zip(rows, responses):
                     row["response_ids"], row["stopped"] = ids, stopped
                 advance(len(rows))
-            atomic_write_text(out_dir / f"shard-{n:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in shard))
+            atomic_write_text(shard_file(out_dir, n), "".join(json.dumps(r) + "\n" for r in shard))
 
 
 def _generate(model, prompts: list[list[int]], max_new_tokens: int, eos: list[int], pad_id: int, device):
@@ -183,7 +188,7 @@ def load_distillation_data(folder: str | os.PathLike, partial: bool = False) -> 
         raise DataError(f"{folder} has no {MANIFEST}; generate distillation data there first")
     records = []
     for n in range(manifest["shards"]):
-        shard = folder / f"shard-{n:05d}.jsonl"
+        shard = shard_file(folder, n)
         if not shard.is_file():
             if partial and records:
                 break
@@ -198,6 +203,18 @@ def training_prompt_set(folder: str | os.PathLike, partial: bool = False) -> dic
     from models.provenance import prompt_set
 
     return prompt_set(Path(folder).name, [record.get("prompt") or "" for record in load_distillation_data(folder, partial)])
+
+
+def distillation_summary(folder: str | os.PathLike) -> dict:
+    """What a distillation folder holds: its manifest's settings, finished shards (of `shards`), responses,
+    response tokens and the share of responses that ended at EOS (the rest hit `max_new_tokens`)."""
+    records = load_distillation_data(folder, partial=True)
+    manifest = read_manifest(folder)
+    done = sum(shard_file(folder, n).is_file() for n in range(manifest["shards"]))
+    tokens = sum(len(r["response_ids"]) for r in records)
+    return {**manifest, "folder": str(folder), "shards_finished": done, "responses": len(records),
+            "response_tokens": tokens, "stopped_at_eos": round(sum(bool(r.get("stopped")) for r in records)
+                                                               / max(len(records), 1), 4)}
 
 
 def read_manifest(folder: str | os.PathLike) -> dict:

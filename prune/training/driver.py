@@ -383,6 +383,19 @@ def training_prompt_sets(args: argparse.Namespace) -> list[dict]:
     return [entry for entry in inherited if entry["sha256"] not in known] + new
 
 
+def training_summary(folder: str | Path) -> dict:
+    """A trained drafter folder's record in brief (from its training.json; only the folder for a drafter saved
+    by --save-initial): updates run, seconds of this call, parameters, sequences, last evaluation, kept best."""
+    record_file = Path(folder) / "training.json"
+    if not record_file.is_file():
+        return {"out": str(folder)}
+    record = json.loads(record_file.read_text())
+    history = record.get("history") or [{}]
+    return {"out": str(folder), "steps": history[-1].get("step"),
+            **{key: record.get(key) for key in ("train_seconds_this_call", "parameters", "train_sequences",
+                                                 "heldout_sequences", "final_eval", "kept_best", "device")}}
+
+
 def _provenance(args: argparse.Namespace, config, history: list[dict], manifests: list[dict], facts: dict) -> dict:
     """The trained drafter's training.json: the flags, the loop's settings (`config`, a TrainConfig), the data
     manifests, the last evaluation's metrics and the history (about 500 records, every evaluation kept),
@@ -390,7 +403,7 @@ def _provenance(args: argparse.Namespace, config, history: list[dict], manifests
     return {
         "what": "d3d-prune demo drafter, trained from scratch by prune.train_drafter",
         "settings": {k: v for k, v in vars(args).items()
-                     if k not in ("out", "overwrite", "no_progress") and not callable(v)},
+                     if k not in ("out", "overwrite", "no_progress", "json") and not callable(v)},
         "train_config": {k: v for k, v in vars(config).items()},
         "data_manifest": manifests[0],
         **({"data_manifests": dict(zip(args.data, manifests))} if len(args.data) > 1 else {}),
