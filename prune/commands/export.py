@@ -31,8 +31,9 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from models.checkpoint import ensure_writable_output
+    from models.checkpoint import WEIGHTS_NAME, ensure_writable_output
     from models.drafter import load_drafter
+    from models.precision import dtype_name
     from prune.export import export_step, read_report, resolve_export_dtype
 
     from ._common import quiet_libraries, write_json
@@ -45,10 +46,9 @@ def run(args) -> int:
     report["exported_from"] = str(source)
     dtype = resolve_export_dtype(args.dtype, source)
     export_step(model, args.destination, source, report, history, dtype=dtype, overwrite=args.overwrite)
-    weights = Path(args.destination) / "model.safetensors"
-    write_json({"source": str(source), "destination": args.destination, "dtype": str(dtype).removeprefix("torch."),
+    write_json({"source": str(source), "destination": args.destination, "dtype": dtype_name(dtype),
                 "layers": model.config.num_hidden_layers,
-                "weights_bytes": weights.stat().st_size if weights.is_file() else None}, args.json)
+                "weights_bytes": (Path(args.destination) / WEIGHTS_NAME).stat().st_size}, args.json)
     if args.json != "-":
         print(args.destination)
     return 0

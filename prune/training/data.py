@@ -208,7 +208,7 @@ def training_prompt_set(folder: str | os.PathLike, partial: bool = False) -> dic
 def distillation_summary(folder: str | os.PathLike) -> dict:
     """What a distillation folder holds: its manifest's settings, finished shards (of `shards`), responses,
     response tokens and the share of responses that ended at EOS (the rest hit `max_new_tokens`)."""
-    records = load_distillation_data(folder, partial=True)
+    records = load_distillation_data(folder, partial=True)  # refuses a folder without a manifest
     manifest = read_manifest(folder)
     done = sum(shard_file(folder, n).is_file() for n in range(manifest["shards"]))
     tokens = sum(len(r["response_ids"]) for r in records)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from models.provenance import FILE as PROMPTS_FILE, summary as prompt_summary, training_prompts_text
 
+TRAINING_RECORD = "training.json"  # a trained drafter's provenance, beside its weights
+
 from .data import load_examples, read_manifest, split_examples
 
 
@@ -359,7 +361,7 @@ def _train_and_save(args: argparse.Namespace, out: Path, checkpoint_dir: Path, d
     model.config.training_prompt_sets = prompt_summary(sets)
     folder = save_drafter(model.float().cpu(), out, tokenizer_source=tokenizer_dir, overwrite=args.overwrite,
                           dtype=torch.bfloat16,
-                          extra_files={"training.json": json.dumps(provenance, indent=2, sort_keys=True, default=str) + "\n",
+                          extra_files={TRAINING_RECORD: json.dumps(provenance, indent=2, sort_keys=True, default=str) + "\n",
                                        PROMPTS_FILE: training_prompts_text(sets)})
     if not args.keep_checkpoints:
         shutil.rmtree(checkpoint_dir, ignore_errors=True)
@@ -386,7 +388,7 @@ def training_prompt_sets(args: argparse.Namespace) -> list[dict]:
 def training_summary(folder: str | Path) -> dict:
     """A trained drafter folder's record in brief (from its training.json; only the folder for a drafter saved
     by --save-initial): updates run, seconds of this call, parameters, sequences, last evaluation, kept best."""
-    record_file = Path(folder) / "training.json"
+    record_file = Path(folder) / TRAINING_RECORD
     if not record_file.is_file():
         return {"out": str(folder)}
     record = json.loads(record_file.read_text())
