@@ -600,23 +600,41 @@ def test_train_drafter_weights_several_data_folders_and_never_trains_on_held_out
         data_weights(argparse.Namespace(data=["a", "b"], data_weights=[2]))
 
 
-def test_heal_data_defaults_to_the_shipped_demo_data_and_accepts_an_unfinished_folder(tmp_path, capsys):
+def test_heal_data_defaults_to_the_demo_mix_for_the_demo_drafter_and_accepts_an_unfinished_folder(tmp_path, capsys):
     import argparse
     import shutil
 
-    from models.demo import DEMO_DISTILL_DIR
-    from prune.commands._heal import heal_examples
+    from models.demo import DEMO_DISTILL_DIR, DEMO_DRAFTER_DIR, DEMO_HEAL_DATA
+    from models.errors import ConfigError
+    from prune.commands._heal import heal_data, heal_examples
+    from prune.training.data import load_examples
 
-    examples, folder = heal_examples(argparse.Namespace(heal_data=None, drafter=None))
-    assert folder == str(DEMO_DISTILL_DIR) and len(examples) > 1000
-    assert heal_examples(argparse.Namespace(heal_data=None, drafter=str(tmp_path))) == (None, None)
+    def flags(heal_data=None, heal_data_weights=None, drafter=None):
+        return argparse.Namespace(heal_data=heal_data, heal_data_weights=heal_data_weights, drafter=drafter)
+
+    # The demo drafter (named or by default) heals on its shipped mix, each folder as often as its weight says;
+    # prune heal resolves the same mix, so the two commands heal the demo drafter alike.
+    examples, named = heal_examples(flags())
+    assert named == [f"{folder} x{weight}" for folder, weight in DEMO_HEAL_DATA]
+    assert len(examples) == sum(len(load_examples(folder, partial=True)) * w for folder, w in DEMO_HEAL_DATA)
+    assert heal_examples(flags(drafter=str(DEMO_DRAFTER_DIR)))[1] == named
+    assert heal_data(None, None, str(DEMO_DRAFTER_DIR), flags="--data") == heal_data(None, None, None)
+    assert heal_examples(flags(drafter=str(tmp_path))) == (None, None)  # another drafter: nothing to heal on
+
+    one = len(load_examples(str(DEMO_DISTILL_DIR), partial=True))
+    examples, named = heal_examples(flags([str(DEMO_DISTILL_DIR)], [3], drafter=str(tmp_path)))
+    assert len(examples) == 3 * one and named == [f"{DEMO_DISTILL_DIR} x3"]
+    with pytest.raises(ConfigError, match="--heal-data-weights needs one integer >= 1 per --heal-data folder"):
+        heal_examples(flags([str(DEMO_DISTILL_DIR)], [1, 2]))
+    with pytest.raises(ConfigError, match="give the folders with --heal-data"):
+        heal_examples(flags(None, [2]))
 
     unfinished = tmp_path / "unfinished"  # the manifest plans more shards than exist
     unfinished.mkdir()
     shutil.copy(DEMO_DISTILL_DIR / "manifest.json", unfinished)
     shutil.copy(DEMO_DISTILL_DIR / "shard-00000.jsonl", unfinished)
     capsys.readouterr()
-    examples, _ = heal_examples(argparse.Namespace(heal_data=str(unfinished), drafter=str(tmp_path)))
+    examples, _ = heal_examples(flags([str(unfinished)], drafter=str(tmp_path)))
     assert 0 < len(examples) <= 64
     assert f"healing on the {len(examples)} finished examples" in capsys.readouterr().err
 

@@ -62,25 +62,29 @@ def run(args) -> int:
     import torch
 
     from models.checkpoint import ensure_writable_output
+    from models.errors import ConfigError
     from prune.config import FINISHING_HEAL
     from prune.export import resolve_export_dtype
     from prune.heal import heal_folder
 
     from ._common import quiet_libraries, write_json
+    from ._heal import describe, heal_data, load_heal_examples
 
     quiet_libraries()
     ensure_writable_output(args.destination, args.overwrite)  # before anything loads
     if args.threads:
         torch.set_num_threads(args.threads)
     teacher = _teacher(args)
-    folders, weights = _heal_data(args, teacher)
-    examples = _examples(folders, weights)
+    chosen = heal_data(args.data, args.data_weights, teacher, flags="--data")
+    if chosen is None:
+        raise ConfigError("no healing data: give distillation folders of the teacher's target with --data DIR "
+                          "(prune distill output)")
+    examples = load_heal_examples(*chosen)
     config = replace(FINISHING_HEAL, steps=args.steps, rank=args.lora_rank, alpha=args.lora_alpha, lr=args.lr,
                      distill_weight=args.distill, seed=args.seed)
     config.validate()
     dtype = resolve_export_dtype(args.dtype, args.source)
-    record = heal_folder(args.source, args.destination, teacher, examples, config,
-                         [f"{folder} x{weight}" for folder, weight in zip(folders, weights)], dtype=dtype,
+    record = heal_folder(args.source, args.destination, teacher, examples, config, describe(*chosen), dtype=dtype,
                          overwrite=args.overwrite, progress=not args.no_progress and args.json != "-")
     write_json({"destination": args.destination, **record}, args.json)
     if args.json != "-":
@@ -102,29 +106,3 @@ def _teacher(args) -> str:
         raise ConfigError(f"{args.source} does not record the drafter it was pruned from"
                           + (f" ({recorded} is gone)" if recorded else "") + "; name it with --teacher DIR")
     return recorded
-
-
-def _heal_data(args, teacher: str) -> tuple[list[str], list[int]]:
-    """(--data folders, their weights): the demo drafter's shipped folders when the teacher is the demo drafter."""
-    from pathlib import Path
-
-    from models.demo import DEMO_DRAFTER_DIR, DEMO_HEAL_DATA
-    from models.errors import ConfigError
-    from prune.training.driver import data_weights
-
-    if args.data:
-        return list(args.data), data_weights(args)
-    if args.data_weights:
-        raise ConfigError("--data-weights weighs --data folders; give the folders with --data")
-    demo = Path(teacher).resolve() == DEMO_DRAFTER_DIR.resolve()
-    if not (demo and all(Path(folder).is_dir() for folder, _ in DEMO_HEAL_DATA)):
-        raise ConfigError("no healing data: give distillation folders of the teacher's target with --data DIR "
-                          "(prune distill output)")
-    return [str(folder) for folder, _ in DEMO_HEAL_DATA], [weight for _, weight in DEMO_HEAL_DATA]
-
-
-def _examples(folders: list[str], weights: list[int]) -> list:
-    """Every folder's training examples (unfinished generations as far as they go), repeated `weight` times."""
-    from prune.training.data import load_examples
-
-    return [example for folder, weight in zip(folders, weights) for example in load_examples(folder, True) * weight]

@@ -42,13 +42,19 @@ def parameter_count(vocab: int, hidden: int, intermediate: int, layers: int, hea
 
 def data_weights(args: argparse.Namespace) -> list[int]:
     """One integer weight per `--data` folder (all 1 unless `--data-weights` says otherwise)."""
+    return folder_weights(args.data, args.data_weights)
+
+
+def folder_weights(folders: list[str], weights: list[int] | None, flag: str = "--data") -> list[int]:
+    """One integer weight per data folder given with `flag` (all 1 when `weights` is None); `flag` + "-weights"
+    is the flag that gave `weights`."""
     from models.errors import ConfigError
 
-    weights = args.data_weights or [1] * len(args.data)
-    if len(weights) != len(args.data) or min(weights) < 1:
-        raise ConfigError(f"--data-weights needs one integer >= 1 per --data folder ({len(args.data)} given), "
+    weights = weights or [1] * len(folders)
+    if len(weights) != len(folders) or min(weights) < 1:
+        raise ConfigError(f"{flag}-weights needs one integer >= 1 per {flag} folder ({len(folders)} given), "
                           f"got {weights}")
-    return weights
+    return list(weights)
 
 
 def heldout_callback(examples, config, eval_fn=None, batch_size: int = 16):
