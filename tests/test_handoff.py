@@ -130,7 +130,7 @@ def test_a_run_ends_with_a_summary_on_stderr_and_json_stays_on_stdout(bf16_pair,
     assert captured.out == (out / "state.json").read_text()  # `--json -`: the state, nothing else
     state = json.loads(captured.out)
     removed = state["history"][0]["removed_original"][0]
-    lines = captured.err.strip().splitlines()[-6:]
+    lines = captured.err.strip().splitlines()[-7:]
     assert lines[0] == f"removed 1 of 2 layers (original indices {removed}) in 1 step; stopped by layer budget"
     assert lines[1].startswith(f"calibration tau: {state['base']['tau']:.3f} -> {state['history'][0]['tau']:.3f} "
                                "(retention ")
@@ -139,7 +139,8 @@ def test_a_run_ends_with_a_summary_on_stderr_and_json_stays_on_stdout(bf16_pair,
     gain = RunState.from_dict(state).equal_tau_speedup(1)
     assert gain >= 1 and lines[3] == f"fewer layers alone, at equal tau (predicted): {gain:.3f}x"
     assert lines[4] == f"pruned drafter: {out / 'final'} -> step-01 (1 layer, bfloat16)"
-    assert lines[5] == f"report: {out / 'report.md'}"
+    assert lines[5] == f"heal it longer: prune heal {out / 'final'} {out}-healed"
+    assert lines[6] == f"report: {out / 'report.md'}"
     assert f"would make it {gain:.3f}x faster" in (out / "report.md").read_text()
     assert "1 layer fewer makes the drafter at most" in captured.err  # announced before the first round
 
@@ -162,6 +163,7 @@ def test_the_summary_shows_held_out_and_measured_numbers_when_the_state_has_them
         "predicted speedup: 1.50x -> 1.70x",
         "measured speedup: 1.25x -> 1.40x",
         f"pruned drafter: {tmp_path / 'final'} -> step-01 (34 layers, float16)",
+        f"heal it longer: prune heal {tmp_path / 'final'} {tmp_path}-healed",
         f"report: {tmp_path / 'report.md'}",
     ]
     state |= {"history": [], "speed": {"final": {"predicted_speedup": 2.0}}, "stopped_by": "retention floor: ..."}

@@ -315,6 +315,9 @@ def summary_lines(state: dict, out: str) -> list[str]:
         layers = final["layers"]
         lines.append(f"pruned drafter: {Path(out) / 'final'} -> {final['folder']} ({layers} "
                      f"layer{'s' * (layers != 1)}, {stored_dtype(Path(out) / final['folder'])})")
+        # The per-step heals are short and judged on the calibration prompts; one longer heal distilled from the
+        # unpruned drafter recovers most of what held-out prompts lost (docs/design.md, Healing a finished drafter).
+        lines.append(f"heal it longer: prune heal {Path(out) / 'final'} {Path(out)}-healed")
     else:
         lines.append("pruned drafter: none (no step was taken; the source drafter stands)")
     lines.append(f"report: {Path(out) / 'report.md'}")
