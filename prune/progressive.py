@@ -58,6 +58,8 @@ class Campaign:
         check_prompts: prompts disjoint from `prompts` that judge every step (RunConfig.check_prompts of them);
             None or empty: the steps are judged on `prompts`.
         check_trajectories: their recorded target trajectories (replay), `RunConfig.check_tokens` long.
+        heal_data: what `heal_examples` were read from, as the run's record names it ("folder xW" per folder,
+            prune.commands._heal.describe); a resume must heal on the same.
         heal_examples: distillation `Example`s for healing (None or empty disables healing).
         cache: the cache folder (prune.cache): the campaign's timing is kept there, and a scoring round that
             `prune score` scored with the same settings is read from there; None caches nothing.
@@ -72,6 +74,7 @@ class Campaign:
     cache: Path | None = None
     check_prompts: list | None = None
     check_trajectories: list | None = None
+    heal_data: list[str] | None = None
 
     @functools.cached_property
     def teacher(self) -> Teacher:
@@ -204,6 +207,10 @@ def _open_state(run: _Run, resume: bool, timing: Timing | None) -> tuple[RunStat
             differences = "; ".join(setting_differences(stored, given)[:4])
             raise ConfigError(f"{out} holds a run with other settings ({differences}); resume it with its "
                               "settings or choose another --out")
+        healed_on = _heal_data(run)
+        if state.heal_data is not None and healed_on is not None and state.heal_data != healed_on:
+            raise ConfigError(f"{out} holds a run that heals on {', '.join(state.heal_data)}, not on "
+                              f"{', '.join(healed_on)}; resume it with that --heal-data or choose another --out")
         compute = next(drafter.parameters())
         current = load_drafter(out / state.last.folder, compute.dtype, compute.device) if state.history else drafter
         run.log(f"resuming {out} after step {len(state.history)}")
@@ -223,10 +230,16 @@ def _open_state(run: _Run, resume: bool, timing: Timing | None) -> tuple[RunStat
         timing = campaign_timing(drafter, config.score, run.campaign.target, cache=run.campaign.cache)
     state = RunState(config_record(config), str(run.campaign.source_dir), timing,
                      BaseRecord(base.tau, base.fallback_rate, base.predicted_speedup(timing.pass_times(layers)),
-                                base.width, base.packed_share, base.packed_tokens))
+                                base.width, base.packed_share, base.packed_tokens),
+                     heal_data=_heal_data(run))
     save_state(out, state)
     _log_ceiling(run, state)
     return state, drafter
+
+
+def _heal_data(run: _Run) -> list[str] | None:
+    """What the run heals on as its record names it (Campaign.heal_data); None when it does not heal."""
+    return run.campaign.heal_data if run.config.heal.steps and run.campaign.heal_examples else None
 
 
 def _log_ceiling(run: _Run, state: RunState) -> None:

@@ -10,7 +10,8 @@ step, in this form (times in ms, tau in committed tokens per target pass, layer 
      "base":    BaseRecord: the unpruned drafter on the prompts that judge steps,
      "history": [StepRecord, ...]: the steps taken, in order,
      "stopped_by": the rule that ended the run (None while it runs),
-     "speed":   SpeedCheck: the measured check at the end (absent until it ran)}
+     "speed":   SpeedCheck: the measured check at the end (absent until it ran),
+     "heal_data": the healing data, "folder xW" per folder (absent when the run does not heal)}
 
 `RunState.from_dict` reads every form this tool has written: timing from before the cost model
 (`{"layers", "draft_ms", "packed_ms", "verify_ms", "ar_ms"}`, written back as it was read) and layer
@@ -272,6 +273,8 @@ class RunState:
         stopped_by: the stop rule that ended the run ("layer budget", "retention floor: ...", "one layer left",
             "predicted speedup ... below the best (...)", or a caller's reason), None while it runs.
         speed: the measured speed check (SpeedCheck), None until it ran.
+        heal_data: the folders the run heals on ("folder xW" each; Campaign.heal_data), None when it does not
+            heal or its record predates this field.
     """
 
     config: dict
@@ -281,6 +284,7 @@ class RunState:
     history: list[StepRecord] = field(default_factory=list)
     stopped_by: str | None = None
     speed: SpeedCheck | None = None
+    heal_data: list[str] | None = None
 
     @property
     def last(self) -> StepRecord | None:
@@ -318,13 +322,15 @@ class RunState:
                   "stopped_by": self.stopped_by}
         if self.speed is not None:
             record["speed"] = self.speed.to_dict()
+        if self.heal_data is not None:
+            record["heal_data"] = self.heal_data
         return record
 
     @classmethod
     def from_dict(cls, record: dict) -> "RunState":
         return cls(record["config"], record["source"], Timing.from_dict(record["timing"]), BaseRecord(**record["base"]),
                    [StepRecord.from_dict(step) for step in record["history"]], record["stopped_by"],
-                   SpeedCheck.from_dict(record["speed"]) if record.get("speed") else None)
+                   SpeedCheck.from_dict(record["speed"]) if record.get("speed") else None, record.get("heal_data"))
 
 
 def state_text(state: RunState) -> str:

@@ -63,7 +63,8 @@ class SweepData:
     the first `calibration_prompts` of them. `evaluation` prompts measure every trial's final drafter.
     `pass_times`: the pair's measured pass times for the sweep's own decoder settings (`SweepConfig.score`),
     the start of the study's timing as of `prune run`'s; `cache`: the cache folder (prune.cache) that trials
-    share with `prune score` and `prune run`.
+    share with `prune score` and `prune run`; `heal_data`: how a trial's record names the healing examples
+    (prune.progressive.Campaign.heal_data).
     """
 
     drafter: object
@@ -77,6 +78,7 @@ class SweepData:
     drafter_hash: str = ""
     pass_times: PassTimes | None = None
     cache: Path | None = None
+    heal_data: list[str] | None = None
 
 
 def campaign_config(values: dict, config: SweepConfig) -> tuple[RunConfig, int | None]:
@@ -195,7 +197,8 @@ class PruningObjective:
         trajectories = data.calibration_trajectories
         campaign = Campaign(data.drafter, data.drafter_dir, data.calibration[:calibration], data.target,
                             trajectories[:calibration] if trajectories is not None else None,
-                            data.heal_examples if run_config.heal.steps else None, data.cache)
+                            data.heal_examples if run_config.heal.steps else None, data.cache,
+                            heal_data=data.heal_data)
         hooks = RunHooks(log=lambda message: self.log(f"trial {trial.number}: {message}"),
                          on_step=functools.partial(self._on_step, trial, tracker, pruned))
         try:

@@ -316,3 +316,27 @@ def test_a_step_is_taken_while_its_predicted_speedup_stays_within_the_tolerance_
     assert "the unpruned drafter" in _stop_rule(tolerant, first, step(1, 1.28))
     with pytest.raises(ConfigError, match="--speedup-tolerance"):
         RunConfig(speedup_tolerance=1.0).validate(4)
+
+
+def test_a_run_records_its_heal_data_and_resumes_only_on_the_same(campaign, tmp_path):
+    target, drafter, root, prompts, decode, trajectories, examples = campaign
+    config = config_of(decode, layers_to_remove=1)
+
+    def healed_on(heal_data, **kwargs):
+        return run_pruning(Campaign(drafter, root / "source", prompts, target, trajectories, examples,
+                                    heal_data=heal_data), tmp_path / "out", config,
+                           hooks=RunHooks(log=lambda *_: None), **kwargs)
+
+    mix = ["data/a x1", "data/b x2"]
+    state = healed_on(mix)
+    assert state.heal_data == mix and json.loads((tmp_path / "out" / "state.json").read_text())["heal_data"] == mix
+    assert "Heals on: data/a x1, data/b x2." in (tmp_path / "out" / "report.md").read_text()
+    with pytest.raises(ConfigError, match=r"heals on data/a x1, data/b x2, not on data/a x1; resume it with"):
+        healed_on(["data/a x1"], resume=True)
+    assert healed_on(mix, resume=True).to_dict() == state.to_dict()
+    # A run that does not heal records no heal data, whatever its campaign names.
+    unhealed = run_pruning(Campaign(drafter, root / "source", prompts, target, trajectories, examples,
+                                    heal_data=mix), tmp_path / "unhealed", config_of(decode, layers_to_remove=1,
+                                                                                   heal=HealConfig(steps=0)),
+                           hooks=RunHooks(log=lambda *_: None))
+    assert unhealed.heal_data is None and "heal_data" not in unhealed.to_dict()

@@ -67,6 +67,7 @@ def test_prune_run_writes_an_offline_run_with_the_documented_metrics(pair_dirs, 
     log, run = offline_run(out)  # WANDB_DIR defaults to the run's output folder
     state = json.loads((out / "state.json").read_text())
     assert len(state["history"]) == 2
+    assert state["heal_data"] == [f"{pair_dirs / 'heal'} x1"] == run["config"]["heal_data"]
 
     assert run["run"].job_type == "run"
     assert list(run["run"].tags) == [tracking.drafter_tag(run["config"]["drafter_hash"])]
@@ -207,6 +208,7 @@ def test_a_sweep_trial_is_a_wandb_run_grouped_by_study(pair_dirs, tmp_path, caps
     assert run["config"]["trial"]["params"] == best["params"] and run["config"]["trial"]["number"] == 0
     assert run["summary"]["sweep/eval_retention"] == pytest.approx(best["eval_retention"])
     assert run["summary"]["sweep/state"] == "COMPLETE"
+    assert json.loads((out / "trial-0000" / "state.json").read_text())["heal_data"] == [f"{pair_dirs / 'heal'} x1"]
     assert [a.type for a in run["artifacts"] if a.type == "model"] == ["model"]
 
 

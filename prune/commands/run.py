@@ -167,7 +167,7 @@ def _run(args) -> int:
         "heal_data": heal_data,
         "out": args.out, "resume": args.resume}, drafter_hash, out=args.out)
     campaign = Campaign(pair.drafter, drafter_dir, prompts, pair.target, trajectories, examples, cache, checks,
-                        check_trajectories)
+                        check_trajectories, heal_data)
     shown = show_progress(args.json)
     hooks = RunHooks(log=lambda message: print(message, file=sys.stderr), on_step=tracker.on_step,
                      progress=functools.partial(progress_bar, enabled=shown), heal_progress=shown)

@@ -161,13 +161,13 @@ def _objective(args, config, space):
     def trajectories(ids):
         return cached_trajectories(cache, pair.target, ids, decode) if args.verify == "replay" else None
 
-    examples, _ = heal_examples(args)
+    examples, heal_data = heal_examples(args)
     if not examples:
         print("note: no --heal-data, so trials do not heal and the space's LoRA settings are not searched",
               file=sys.stderr)
     drafter_hash = fingerprint(pair.drafter)
     data = SweepData(pair.drafter, drafter_dir, pair.target, calibration_ids, trajectories(calibration_ids),
-                     evaluation_ids, trajectories(evaluation_ids), examples, drafter_hash, times, cache)
+                     evaluation_ids, trajectories(evaluation_ids), examples, drafter_hash, times, cache, heal_data)
 
     def tracker_factory(trial, run_config):
         name = f"{config.study}-trial-{trial.number:04d}"
