@@ -101,8 +101,13 @@ class LayerCost:
 
     @classmethod
     def fit(cls, layers_a: int, ms_a: float, layers_b: int, ms_b: float) -> "LayerCost":
+        """The line through (layers_a, ms_a) and (layers_b, ms_b), kept physical and through the first point
+        (the measured depth the predictions start from): a negative slope becomes a flat line at ms_a, and a
+        negative fixed part (the shallow pass read less than its share, noise) a line through the origin."""
         per_layer = max(0.0, (ms_a - ms_b) / (layers_a - layers_b))
-        return cls(max(0.0, ms_a - per_layer * layers_a), per_layer)
+        if ms_a - per_layer * layers_a < 0.0:
+            per_layer = ms_a / layers_a
+        return cls(ms_a - per_layer * layers_a, per_layer)
 
 
 @dataclass(frozen=True)

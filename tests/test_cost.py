@@ -2,7 +2,7 @@
 
 import pytest
 
-from decode.cost import (PassTimes, WidthPolicy, equal_tau_speedup, predicted_speedup, round_ms, speedup_limit,
+from decode.cost import (LayerCost, PassTimes, WidthPolicy, equal_tau_speedup, predicted_speedup, round_ms, speedup_limit,
                          time_per_token_ms)
 
 
@@ -188,3 +188,15 @@ def test_packed_pass_time_is_affine_in_its_tokens_and_skipped_rounds_cost_as_syn
     sync = round_ms("sync", t, 5)
     assert round_ms("async", t, 5, fallback_rate=1.0, packed_share=0.0) == pytest.approx(sync)
     assert round_ms("async", t, 5, 0.0, False, packed_share=1.0, packed_tokens=42) == pytest.approx(56.0 + 25.0)
+
+
+def test_a_fitted_layer_cost_reproduces_the_measured_depth_and_stays_physical():
+    line = LayerCost.fit(36, 30.0, 18, 18.0)  # an ordinary pair of measurements: the line through both
+    assert line.at(36) == pytest.approx(30.0) and line.at(18) == pytest.approx(18.0) and line.fixed_ms == 6.0
+    # The shallow pass read under its share (noise): no negative fixed part, yet the full depth as measured.
+    through_origin = LayerCost.fit(36, 27.0, 18, 12.0)
+    assert through_origin.fixed_ms == 0.0 and through_origin.at(36) == pytest.approx(27.0)
+    assert through_origin.at(31) == pytest.approx(27.0 * 31 / 36)
+    # The shallow pass read slower than the full one: depth buys nothing, the full pass stays as measured.
+    flat = LayerCost.fit(36, 27.0, 18, 28.0)
+    assert flat.per_layer_ms == 0.0 and flat.at(20) == 27.0
