@@ -2,8 +2,8 @@
 
 import pytest
 
-from decode.cost import (LayerCost, PassTimes, WidthPolicy, equal_tau_speedup, predicted_speedup, round_ms, speedup_limit,
-                         time_per_token_ms)
+from decode.cost import (LayerCost, PassTimes, WidthPolicy, equal_tau_speedup, predicted_speedup, round_ms,
+                         speedup_limit, time_per_token_ms)
 
 
 def times(**overrides) -> PassTimes:

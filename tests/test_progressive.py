@@ -322,9 +322,9 @@ def test_a_run_records_its_heal_data_and_resumes_only_on_the_same(campaign, tmp_
     target, drafter, root, prompts, decode, trajectories, examples = campaign
     config = config_of(decode, layers_to_remove=1)
 
-    def healed_on(heal_data, **kwargs):
+    def healed_on(heal_data, out="out", config=config, **kwargs):
         return run_pruning(Campaign(drafter, root / "source", prompts, target, trajectories, examples,
-                                    heal_data=heal_data), tmp_path / "out", config,
+                                    heal_data=heal_data), tmp_path / out, config,
                            hooks=RunHooks(log=lambda *_: None), **kwargs)
 
     mix = ["data/a x1", "data/b x2"]
@@ -335,8 +335,5 @@ def test_a_run_records_its_heal_data_and_resumes_only_on_the_same(campaign, tmp_
         healed_on(["data/a x1"], resume=True)
     assert healed_on(mix, resume=True).to_dict() == state.to_dict()
     # A run that does not heal records no heal data, whatever its campaign names.
-    unhealed = run_pruning(Campaign(drafter, root / "source", prompts, target, trajectories, examples,
-                                    heal_data=mix), tmp_path / "unhealed", config_of(decode, layers_to_remove=1,
-                                                                                   heal=HealConfig(steps=0)),
-                           hooks=RunHooks(log=lambda *_: None))
+    unhealed = healed_on(mix, "unhealed", config_of(decode, layers_to_remove=1, heal=HealConfig(steps=0)))
     assert unhealed.heal_data is None and "heal_data" not in unhealed.to_dict()
