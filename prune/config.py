@@ -157,8 +157,9 @@ class RunConfig:
             reading steps closer). It costs about three times the decoding per judged drafter (16 x 64 tokens
             took 8 s there) and nothing in the scoring rounds.
         check_candidates: with check prompts and one layer per step, the layers a step may try, lowest score
-            first: it takes the first whose removal the stop rules accept without a heal, and when none is, the
-            lowest, healed when it lost enough (prune.progressive._take_step). 1: the lowest only.
+            first: it takes the first whose removal the stop rules accept and that lost less than
+            `heal.min_drop` of the unpruned tau (healing on or off), and when none is, the one judged best,
+            healed when it lost enough (prune.progressive._take_step). 1: the lowest only.
         check_try_discount: a step's i-th candidate is judged at its check tau lowered by this many times the
             optimism of the best of i noisy reads (prune.scoring.expected_best_of, in standard errors of its
             retention on the check prompts, prune.scoring.retention_error): taking the first of several tries

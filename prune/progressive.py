@@ -164,8 +164,8 @@ def run_pruning(campaign: Campaign, out, config: RunConfig, resume: bool = False
         if state.stopped_by is not None:
             break
         scores = _score_round(run, current, state, k)
-        healed, record = _take_step(run, current, scores, k, state)
-        state.stopped_by = _stop_rule(config, state, record)
+        healed, record, verdict = _take_step(run, current, scores, k, state)
+        state.stopped_by = _stop_rule(config, state, verdict)
         if state.stopped_by is not None:
             break
         _commit_step(run, state, healed, record)
@@ -303,16 +303,19 @@ def _candidates(run: _Run, scores: ScoreReport, k: int) -> list[list[int]]:
 
 
 def _take_step(run: _Run, current, scores: ScoreReport, k: int, state: RunState):
-    """Remove the layers of the step from `current` and heal; returns (the step's drafter, its StepRecord).
+    """Remove the layers of the step from `current` and heal; returns (the step's drafter, its StepRecord, the
+    StepRecord the stop rules judge: the same, but a later try's tau lowered by its discount, `_discounted`).
 
-    The candidates (`_candidates`) are judged in order as they are, and the first that the stop rules accept
-    and that needs no heal is the step. When none is, the first is the step: healed when it lost enough
-    (`_heal`), and then accepted or refused by the stop rules (run_pruning). The calibration ranking is
-    noisy among its lowest layers, so the next lowest often keeps the tau the lowest loses on the check
-    prompts; a try costs one evaluation on them, a heal dozens of training updates."""
+    The candidates (`_candidates`) are judged in order, each at its discounted tau (`_discounted`), and the
+    first that the stop rules accept and that has lost less than HealConfig.min_drop of the unpruned tau is
+    the step, whether or not the run heals. When none is, the step is the candidate judged best: healed when it
+    lost enough (`_heal`), and then accepted or refused by the stop rules (run_pruning). The calibration
+    ranking is noisy among its lowest layers, so the next lowest often keeps the tau the lowest loses on the
+    check prompts; a try costs one evaluation on them, a heal dozens of training updates, and a layer lost
+    for good (a run without heals) more than either."""
     step = len(state.history) + 1
     options = _candidates(run, scores, k)
-    first = None
+    tried = []  # (judged tau, chosen, drafter, its Evaluation), in the order tried
     for index, chosen in enumerate(options):
         reduced = round_to_dtype(remove_layers(current, chosen), run.dtype)
         if len(chosen) == 1 and not run.campaign.check_prompts:
@@ -329,19 +332,27 @@ def _take_step(run: _Run, current, scores: ScoreReport, k: int, state: RunState)
             run.log(f"step {step}: try {index + 1} keeps {record.retention:.2%} of the unpruned {run.judged_on} tau, "
                     f"judged at {verdict.retention:.2%} (the optimism of the best of {index + 1} reads, "
                     "--check-try-discount)")
-        if _stop_rule(run.config, state, verdict) is None and not _needs_heal(run, judged.tau, state.base.tau):
+        if _stop_rule(run.config, state, verdict) is None and not _lost_enough(run, judged.tau, state.base.tau):
             _heal(run, reduced, before, state.base.tau, step)  # says why it is not healed
-            return reduced, record
-        first = first or (chosen, reduced, before)
+            return reduced, record, verdict
+        tried.append((judged.tau, chosen, reduced, before))
         if index + 1 < len(options):
             originals = [scores.layers[i].original_layer for i in chosen]
             following = [scores.layers[i].original_layer for i in options[index + 1]]
             run.log(f"step {step}: without original layers {originals} the drafter keeps {record.retention:.2%} of "
                     f"the unpruned {run.judged_on} tau, short of a step taken as it is; trying original layers "
                     f"{following} (--check-candidates)")
-    chosen, reduced, before = first
+    judged_tau, chosen, reduced, before = max(tried, key=lambda t: t[0])  # the first of equals: max keeps it
+    if len(tried) > 1:
+        run.log(f"step {step}: no try kept {1 - run.config.heal.min_drop:.2%} of the unpruned {run.judged_on} "
+                f"tau; taking the best judged, original layers {[scores.layers[i].original_layer for i in chosen]}")
     healed, measured, losses, rolled_back = _heal(run, reduced, before, state.base.tau, step)
-    return healed, _step_record(run, state, scores, chosen, before, measured, losses, rolled_back)
+    record = _step_record(run, state, scores, chosen, before, measured, losses, rolled_back)
+    discount = before.tau - judged_tau  # a heal starts from the selected read, so it keeps that optimism
+    verdict = record if discount == 0 else _step_record(
+        run, state, scores, chosen, replace(before, tau=judged_tau), replace(measured, tau=measured.tau - discount),
+        losses, rolled_back)
+    return healed, record, verdict
 
 
 def _discounted(run: _Run, measured: Evaluation, tries: int) -> Evaluation:
@@ -371,12 +382,17 @@ def _step_record(run: _Run, state: RunState, scores: ScoreReport, chosen: list[i
     )
 
 
+def _lost_enough(run: _Run, tau: float, base_tau: float) -> bool:
+    """A drafter at `tau` has lost at least HealConfig.min_drop of the unpruned `base_tau`: enough to heal, and
+    enough that a step tries its next candidate first."""
+    min_drop = run.config.heal.min_drop
+    return min_drop == 0 or (base_tau > 0 and 1 - tau / base_tau >= min_drop)
+
+
 def _needs_heal(run: _Run, tau: float, base_tau: float) -> bool:
-    """A drafter at `tau` has lost at least HealConfig.min_drop of the unpruned `base_tau` and the run heals."""
+    """A drafter at `tau` has lost enough to heal (`_lost_enough`) and the run heals."""
     config = run.config.heal
-    if not (run.campaign.heal_examples and config.steps > 0):
-        return False
-    return config.min_drop == 0 or (base_tau > 0 and 1 - tau / base_tau >= config.min_drop)
+    return bool(run.campaign.heal_examples and config.steps > 0) and _lost_enough(run, tau, base_tau)
 
 
 def _heal(run: _Run, reduced, before: Evaluation, base_tau: float, step: int):

@@ -184,6 +184,23 @@ def test_steps_are_judged_on_the_check_prompts(campaign, tmp_path, monkeypatch):
     assert any("trying original layers" in line for line in logged)
     assert only.history == [] and only.stopped_by.startswith("retention floor")
 
+    # Without heals and under a floor that every try clears, a step still does not keep a try that lost the
+    # heal threshold (--heal-min-drop, 1 %) while another may not: it takes the first that lost less, else the
+    # best of its tries (the lowest-scoring layer alone, as a run that took the first passing try would).
+    def run_without_floor(out):
+        config = config_of(decode, layers_to_remove=1, check_prompts=2, check_tokens=decode.max_new_tokens + 8,
+                           check_candidates=3, check_try_discount=0.0, min_retention=0.5,
+                           heal=HealConfig(steps=0))
+        return run_pruning(Campaign(drafter, root / "source", prompts, target, trajectories, examples,
+                                    check_prompts=checks, check_trajectories=check_trajectories),
+                           tmp_path / out, config, hooks=RunHooks(log=logged.append))
+
+    tries = ranking[:3]
+    cheap = [layer for layer in tries if 1 - kept(layer) < HealConfig().min_drop]
+    best = cheap[0] if cheap else max(tries, key=kept)
+    assert best != ranking[0]
+    assert run_without_floor("unhealed").history[0].removed == [best]
+
     # The second try is the better of two reads on the check prompts: judged at its tau lowered by the optimism
     # of the best of two (0.564 standard errors of its paired retention, times --check-try-discount), it is
     # taken when that still clears the floor and not when it does not; the state keeps what it read. (The tiny

@@ -75,8 +75,9 @@ def add_parser(subparsers) -> None:
                         "--max-new-tokens; 0: as many as --max-new-tokens, as runs saved before this flag did)")
     parser.add_argument("--check-candidates", type=_types.positive_int, default=RUN["check_candidates"], metavar="N",
                         help="with check prompts and --per-step 1: layers a step may try, lowest score first; it "
-                        "takes the first that the stop rules accept without a heal, else heals the lowest "
-                        "(1: the lowest only)")
+                        "takes the first that the stop rules accept and that lost less than --heal-min-drop of "
+                        "the unpruned tau (healing on or off), else the one judged best, healed when the run "
+                        "heals (1: the lowest only)")
     parser.add_argument("--check-try-discount", type=_types.non_negative_float, default=RUN["check_try_discount"],
                         metavar="F", help="judge a step's i-th candidate at its check tau lowered by F times the "
                         "optimism of the best of i noisy reads (standard errors of its retention on the check "
