@@ -570,28 +570,30 @@ def test_train_drafter_weights_several_data_folders_and_never_trains_on_held_out
     for name, count, target in (("a", 6, "t1"), ("b", 4, "t1"), ("c", 3, "t2")):
         folder = tmp_path / name
         folder.mkdir()
-        records = [{"id": f"{name}{i}", "prompt_ids": [1, 2], "response_ids": [len(folders) * 10 + i, 5]}
-                   for i in range(count)]
-        if name == "b":  # every record of "a" again: a held-out draw of either copy must drop both
-            records += [{"id": f"b-a{i}", "prompt_ids": [1, 2], "response_ids": [i, 5]} for i in range(6)]
+        records = [{"id": f"{name}{i}", "prompt_ids": [1, len(folders) * 100 + i],
+                    "response_ids": [len(folders) * 10 + i, 5]} for i in range(count)]
+        if name == "b":  # every prompt of "a" again, answered apart from a near-tie at the end: a held-out
+            # draw of either must drop both, as answers made in another dtype or on another CPU differ so
+            records += [{"id": f"b-a{i}", "prompt_ids": [1, i], "response_ids": [i, 6]} for i in range(6)]
         (folder / "shard-00000.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
         (folder / "manifest.json").write_text(json.dumps({"shards": 1, "target_weights_sha256": target}))
         folders.append(folder)
     heldout, training = split_examples(folders[:2], [1, 3], eval_size=3, seed=0)
-    key = lambda ex: tuple(ex.input_ids.tolist())  # noqa: E731
+    key = lambda ex: tuple(ex.input_ids[~ex.loss_mask].tolist())  # noqa: E731  (the prompt)
     held = {key(ex) for ex in heldout}
     assert len(held) == 3 and not held & {key(ex) for ex in training}
     counts = {}
     for ex in training:
         counts[key(ex)] = counts.get(key(ex), 0) + 1
-    assert all(n == (4 if k[2] < 10 else 3) for k, n in counts.items()) and len(counts) == 7
+    # A prompt of "a" is trained on once from "a" and three times from its copy in "b".
+    assert all(n == (4 if k[1] < 100 else 3) for k, n in counts.items()) and len(counts) == 7
     again = split_examples(folders[:2], [1, 3], eval_size=3, seed=0)[0]
     assert [key(ex) for ex in again] == [key(ex) for ex in heldout]  # seeded
     # --eval-data: held out from that folder alone, the same draw whatever --data holds; never trained on.
     heldout, training = split_examples(folders[:2], [1, 3], eval_size=2, seed=0, eval_folder=folders[1])
     held = {key(ex) for ex in heldout}
     assert len(held) == 2 and not held & {key(ex) for ex in training}
-    assert len(training) == (6 + 3 * 10) - 4 * sum(k[2] < 10 for k in held) - 3 * sum(k[2] >= 10 for k in held)
+    assert len(training) == (6 + 3 * 10) - 4 * sum(k[1] < 100 for k in held) - 3 * sum(k[1] >= 100 for k in held)
     assert [key(ex) for ex in split_examples(folders[:1], [1], 2, 0, eval_folder=folders[1])[0]] == \
         [key(ex) for ex in heldout]
     with pytest.raises(DataError, match="different targets"):

@@ -122,7 +122,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                    help="held-out sequences for evaluation")
     p.add_argument("--eval-data", type=t.data_dir, default=None,
                    help="draw the held-out sequences from this distillation folder instead of from --data (any "
-                   "training sequence equal to one is dropped); e.g. fresh data when continuing a drafter")
+                   "training sequence with one's prompt is dropped); e.g. fresh data when continuing a drafter")
     p.add_argument("--keep-best", action="store_true",
                    help="save the weights of the evaluation with the best held-out accept proxy, not the last")
     p.add_argument("--eval-every", type=t.non_negative_int, default=d["eval_every"],
