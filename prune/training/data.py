@@ -241,8 +241,7 @@ def split_examples(folders: list, weights: list[int], eval_size: int, seed: int,
     added). Either way every training sequence whose prompt is a held-out one's is dropped: folders of one
     target repeat prompts (two seeds of a prompt style share much of their pool), and a repeated prompt's
     response is the same greedy answer or, made in another dtype or on another CPU, one that differs only
-    after a near-tie, so it would otherwise be trained on. (Keyed on whole sequences, 11 of the 15 held-out
-    everyday prompts that the seed-0 everyday folder repeats, answered there in float32, were trained on.)
+    after a near-tie, so it would otherwise be trained on (the drafter card counts such a leak).
     """
     import torch
 
