@@ -39,6 +39,21 @@ def cpu_flags(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> set[str]:
     return set()
 
 
+def cpu_name(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> str:
+    """The CPU's model name as the kernel reports it ("AMD EPYC", "Intel(R) Xeon(R) ..."), else the
+    platform's machine name ("x86_64", "arm64") where /proc/cpuinfo does not exist or does not say."""
+    import platform
+
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def auto_dtype_name(device: torch.device, flags: set[str] | None = None) -> str:
     """"bfloat16" where `device` computes it natively, else "float32" (see the module docstring)."""
     override = os.environ.get(AUTO_DTYPE_ENV)

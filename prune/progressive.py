@@ -38,8 +38,8 @@ from .progress import clock, progress_bar
 from .report import write_report
 from .scoring import (Evaluation, ScoreReport, cached_scores, carried_scores, evaluate, expected_best_of,
                       retention_error, round_evaluations)
-from .state import (BaseRecord, RunState, StepRecord, Timing, campaign_timing, has_run, judged_on, load_state,
-                    save_state)
+from .state import (BaseRecord, Host, RunState, StepRecord, Timing, campaign_timing, has_run, judged_on,
+                    load_state, save_state)
 from .training.loss import Teacher
 
 _silent = functools.partial(progress_bar, enabled=False)
@@ -214,6 +214,10 @@ def _open_state(run: _Run, resume: bool, timing: Timing | None) -> tuple[RunStat
         compute = next(drafter.parameters())
         current = load_drafter(out / state.last.folder, compute.dtype, compute.device) if state.history else drafter
         run.log(f"resuming {out} after step {len(state.history)}")
+        host = Host.of(drafter, run.campaign.target)
+        if state.host is not None and state.host != host:
+            run.log(f"note: {out} was started on {state.host.text()}; this is {host.text()}, whose arithmetic and "
+                    "pass times may choose other layers than that machine would have")
         return state, current
     if resume:
         run.log(f"{out} holds no pruning run yet; starting one")
@@ -231,7 +235,7 @@ def _open_state(run: _Run, resume: bool, timing: Timing | None) -> tuple[RunStat
     state = RunState(config_record(config), str(run.campaign.source_dir), timing,
                      BaseRecord(base.tau, base.fallback_rate, base.predicted_speedup(timing.pass_times(layers)),
                                 base.width, base.packed_share, base.packed_tokens),
-                     heal_data=_heal_data(run))
+                     heal_data=_heal_data(run), host=Host.of(drafter, run.campaign.target))
     save_state(out, state)
     _log_ceiling(run, state)
     return state, drafter

@@ -31,6 +31,7 @@ def _markdown(state: RunState, plots: list[Path]) -> str:
         + (f", predicted speedup {base.predicted_speedup:.2f}x." if base.predicted_speedup else "."),
         f"Stopped by: {state.stopped_by}.",
         *([f"Heals on: {', '.join(state.heal_data)}."] if state.heal_data else []),
+        *([f"Measured on: {state.host.text()}."] if state.host else []),
         "",
         "Layer indices are 0-based indices in the unpruned drafter. Steps are judged (tau, retention, heals, stop "
         f"rules) on the {state.judged_on} prompts"

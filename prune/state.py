@@ -11,7 +11,8 @@ step, in this form (times in ms, tau in committed tokens per target pass, layer 
      "history": [StepRecord, ...]: the steps taken, in order,
      "stopped_by": the rule that ended the run (None while it runs),
      "speed":   SpeedCheck: the measured check at the end (absent until it ran),
-     "heal_data": the healing data, "folder xW" per folder (absent when the run does not heal)}
+     "heal_data": the healing data, "folder xW" per folder (absent when the run does not heal),
+     "host":    Host: the machine and arithmetic the run measured with (absent in runs that predate it)}
 
 `RunState.from_dict` reads every form this tool has written: timing from before the cost model
 (`{"layers", "draft_ms", "packed_ms", "verify_ms", "ar_ms"}`, written back as it was read) and layer
@@ -28,6 +29,7 @@ from decode import cost
 from decode.cost import LayerCost, PassTimes
 from decode.timing import drafter_layer_costs, measure_pass_times
 from models.checkpoint import atomic_write_text
+from models.precision import cpu_name, dtype_name
 
 from .cache import cached_json, timing_key
 from .config import ScoreConfig
@@ -261,6 +263,44 @@ def judged_on(check_prompts: int | None) -> str:
 
 
 @dataclass
+class Host:
+    """The machine and arithmetic a run measured with. Which layers a run removes can depend on them: a
+    bfloat16 target's greedy tokens differ between CPUs after a near-tie (AMX and AVX512-BF16 kernels round
+    differently), and the adaptive verify width follows the measured pass times (docs/design.md, "Runs on
+    other machines").
+
+    Attributes:
+        cpu: the CPU's model name (models.precision.cpu_name).
+        device: the torch device the models ran on ("cpu", "cuda:0", ...).
+        threads: torch's CPU threads.
+        torch: torch's version.
+        target_dtype, drafter_dtype: the two models' compute dtypes ("bfloat16", "float32", ...).
+    """
+
+    cpu: str
+    device: str
+    threads: int
+    torch: str
+    target_dtype: str
+    drafter_dtype: str
+
+    @classmethod
+    def of(cls, drafter, target) -> "Host":
+        """The host of a campaign that runs `drafter` and `target` (None: no target, its dtype "-")."""
+        import torch
+
+        weights = next(drafter.parameters())
+        target_dtype = dtype_name(next(target.parameters()).dtype) if target is not None else "-"
+        return cls(cpu_name(), str(weights.device), torch.get_num_threads(), torch.__version__, target_dtype,
+                   dtype_name(weights.dtype))
+
+    def text(self) -> str:
+        """One line for reports and logs."""
+        return (f"{self.cpu}, {self.device}, {self.threads} torch threads, torch {self.torch}, target "
+                f"{self.target_dtype}, drafter {self.drafter_dtype}")
+
+
+@dataclass
 class RunState:
     """A pruning run (see the module docstring).
 
@@ -275,6 +315,7 @@ class RunState:
         speed: the measured speed check (SpeedCheck), None until it ran.
         heal_data: the folders the run heals on ("folder xW" each; Campaign.heal_data), None when it does not
             heal or its record predates this field.
+        host: the machine it started on (Host), None in records that predate this field.
     """
 
     config: dict
@@ -285,6 +326,7 @@ class RunState:
     stopped_by: str | None = None
     speed: SpeedCheck | None = None
     heal_data: list[str] | None = None
+    host: Host | None = None
 
     @property
     def last(self) -> StepRecord | None:
@@ -324,13 +366,16 @@ class RunState:
             record["speed"] = self.speed.to_dict()
         if self.heal_data is not None:
             record["heal_data"] = self.heal_data
+        if self.host is not None:
+            record["host"] = asdict(self.host)
         return record
 
     @classmethod
     def from_dict(cls, record: dict) -> "RunState":
         return cls(record["config"], record["source"], Timing.from_dict(record["timing"]), BaseRecord(**record["base"]),
                    [StepRecord.from_dict(step) for step in record["history"]], record["stopped_by"],
-                   SpeedCheck.from_dict(record["speed"]) if record.get("speed") else None, record.get("heal_data"))
+                   SpeedCheck.from_dict(record["speed"]) if record.get("speed") else None, record.get("heal_data"),
+                   Host(**record["host"]) if record.get("host") else None)
 
 
 def state_text(state: RunState) -> str:

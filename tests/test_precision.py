@@ -27,6 +27,15 @@ def test_cpu_flags_reads_proc_cpuinfo_and_survives_its_absence(tmp_path):
     assert precision.cpu_flags(tmp_path / "missing") == set()
 
 
+def test_cpu_name_reads_the_model_name_and_falls_back_to_the_platform(tmp_path):
+    import platform
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu\n")
+    assert precision.cpu_name(info) == "AMD EPYC 9R14"
+    assert precision.cpu_name(tmp_path / "missing") == (platform.processor() or platform.machine())
+
+
 def test_the_environment_overrides_auto(monkeypatch):
     monkeypatch.setenv(precision.AUTO_DTYPE_ENV, "float32")
     assert precision.auto_dtype_name(CPU, {"amx_bf16"}) == "float32"

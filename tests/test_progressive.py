@@ -354,3 +354,30 @@ def test_a_run_records_its_heal_data_and_resumes_only_on_the_same(campaign, tmp_
     # A run that does not heal records no heal data, whatever its campaign names.
     unhealed = healed_on(mix, "unhealed", config_of(decode, layers_to_remove=1, heal=HealConfig(steps=0)))
     assert unhealed.heal_data is None and "heal_data" not in unhealed.to_dict()
+
+
+def test_a_run_records_the_machine_it_measured_on_and_a_resume_elsewhere_says_so(campaign, tmp_path, monkeypatch):
+    from prune import state as state_module
+    from prune.state import Host, RunState
+
+    target, drafter, root, prompts, decode, trajectories, examples = campaign
+    config = config_of(decode, layers_to_remove=1, heal=HealConfig(steps=0))
+    logs = []
+
+    def pruned(**kwargs):
+        return run_pruning(Campaign(drafter, root / "source", prompts, target, trajectories), tmp_path / "out",
+                           config, hooks=RunHooks(log=logs.append), **kwargs)
+
+    host = pruned().host
+    assert host == Host.of(drafter, target) and host.target_dtype == "float32" and host.threads >= 1
+    record = json.loads((tmp_path / "out" / "state.json").read_text())
+    assert record["host"]["cpu"] == host.cpu and RunState.from_dict(record).host == host
+    assert f"Measured on: {host.text()}." in (tmp_path / "out" / "report.md").read_text()
+    del record["host"]  # a record written before hosts were recorded still reads
+    assert RunState.from_dict(record).host is None and "host" not in RunState.from_dict(record).to_dict()
+
+    monkeypatch.setattr(state_module, "cpu_name", lambda: "Another CPU")
+    pruned(resume=True)
+    notes = [line for line in logs if line.startswith("note:") and "was started on" in line]
+    assert len(notes) == 1 and host.text() in notes[0] and "this is Another CPU" in notes[0]
+    assert json.loads((tmp_path / "out" / "state.json").read_text())["host"]["cpu"] == host.cpu
