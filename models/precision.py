@@ -16,6 +16,7 @@ dtype elsewhere (`drafter_dtype`).
 """
 
 import os
+import platform
 from pathlib import Path
 
 import torch
@@ -27,31 +28,28 @@ NATIVE_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 AUTO_DTYPE_ENV = "D3D_PRUNE_AUTO_DTYPE"
 
 
-def cpu_flags(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> set[str]:
-    """The instruction-set flags the CPU reports (empty where /proc/cpuinfo does not exist)."""
+def _cpuinfo_value(cpuinfo: str | os.PathLike, field: str) -> str | None:
+    """The value of the first `field` line of /proc/cpuinfo (or of the file `cpuinfo`), None where the file
+    does not exist or has no such line."""
     try:
         text = Path(cpuinfo).read_text()
     except OSError:
-        return set()
+        return None
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+        if line.startswith(field):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def cpu_flags(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> set[str]:
+    """The instruction-set flags the CPU reports (empty where /proc/cpuinfo does not exist)."""
+    return set((_cpuinfo_value(cpuinfo, "flags") or "").split())
 
 
 def cpu_name(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> str:
     """The CPU's model name as the kernel reports it ("AMD EPYC", "Intel(R) Xeon(R) ..."), else the
     platform's machine name ("x86_64", "arm64") where /proc/cpuinfo does not exist or does not say."""
-    import platform
-
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+    return _cpuinfo_value(cpuinfo, "model name") or platform.processor() or platform.machine()
 
 
 def auto_dtype_name(device: torch.device, flags: set[str] | None = None) -> str:

@@ -25,6 +25,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from decode import cost
 from decode.cost import LayerCost, PassTimes
 from decode.timing import drafter_layer_costs, measure_pass_times
@@ -287,8 +289,6 @@ class Host:
     @classmethod
     def of(cls, drafter, target) -> "Host":
         """The host of a campaign that runs `drafter` and `target` (None: no target, its dtype "-")."""
-        import torch
-
         weights = next(drafter.parameters())
         target_dtype = dtype_name(next(target.parameters()).dtype) if target is not None else "-"
         return cls(cpu_name(), str(weights.device), torch.get_num_threads(), torch.__version__, target_dtype,
