@@ -50,6 +50,19 @@ def remove_layers(model: torch.nn.Module, indices) -> torch.nn.Module:
     return _rebuilt(model, [(i, 1.0) for i in keep], [original[i] for i in keep])
 
 
+def current_indices(kept: list[int], original) -> list[int]:
+    """The current (0-based) indices of the layers that had indices `original` in the unpruned drafter, in
+    the order given, for a drafter that holds the original layers `kept` (its `original_layer_indices`, or
+    0..n-1). A layer it no longer holds, or all of them, is a ConfigError."""
+    missing = [i for i in original if i not in kept]
+    if missing:
+        raise ConfigError(f"original layer {missing[0]} is not in this drafter (already removed or out of range); "
+                          f"it holds original layers {kept}")
+    if len(set(original)) >= len(kept):
+        raise ConfigError(f"cannot remove all {len(kept)} layers; at least one layer must remain")
+    return [kept.index(i) for i in original]
+
+
 def split_layers(model: torch.nn.Module, replace, sources) -> torch.nn.Module:
     """Return a copy of `model` without the layers at `replace`, each layer at `sources` followed by a copy
     of itself; a source and its copy each keep half of the source's output projections (o_proj, down_proj).

@@ -31,6 +31,7 @@ from models.drafter import load_drafter, save_drafter
 from models.errors import CheckpointError
 from models.lock import lock_file, output_lock
 from prune.cli import main
+from prune.config import FINISHING_HEAL
 from prune.export import REPORT_NAME
 from prune.heal import checkpoint_folder
 from prune.scoring import record_trajectories
@@ -187,6 +188,7 @@ def test_prune_heal_distills_a_finished_run_and_a_killed_heal_resumes_to_the_sam
     heal = report["heal"]
     # The teacher is the drafter the run pruned, as the run's export records it; the loss is KL to it.
     assert heal["teacher"] == str((pair / "drafter").resolve()) and heal["settings"]["distill_weight"] == 1.0
+    assert heal["settings"]["gamma"] == FINISHING_HEAL.gamma
     assert len(heal["loss"]) == 12 and report["history"][-1] == {"step": "heal", "layers": 1}
     assert [h["step"] for h in report["history"][:-1]] == [1, 2]  # the run's steps come along
     assert not checkpoint_folder(healed).exists()
@@ -201,8 +203,9 @@ def test_prune_heal_distills_a_finished_run_and_a_killed_heal_resumes_to_the_sam
     assert code == -signal.SIGKILL, err
     assert not again.exists() and checkpoint_folder(again).is_dir()
     # Another heal's settings never continue that state; the same command finishes it, byte for byte.
-    code, err = forked(main, heal_args(pair, reference / "final", again, "--seed", "1"))
-    assert code == 1 and "holds a heal of another source, teacher, data or settings" in err, err
+    for other in (["--seed", "1"], ["--gamma", "2"]):
+        code, err = forked(main, heal_args(pair, reference / "final", again, *other))
+        assert code == 1 and "holds a heal of another source, teacher, data or settings" in err, err
     code, err = forked(main, heal_args(pair, reference / "final", again))
     assert code == 0, err
     assert (again / "model.safetensors").read_bytes() == (healed / "model.safetensors").read_bytes()

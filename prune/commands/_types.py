@@ -51,6 +51,17 @@ positive_fraction = _bounded(float, "a fraction in (0, 1]", low=0, high=1, low_o
 fraction = _bounded(float, "a fraction in [0, 1]", low=0, high=1)
 
 
+def layer_indices(text: str) -> tuple[int, ...]:
+    """Distinct 0-based layer indices separated by commas ("3,2,8")."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        _reject(f"got {text!r}; give layer indices separated by commas, e.g. 3,2,8")
+    if min(values) < 0 or len(set(values)) != len(values):
+        _reject(f"got {text}; give distinct layer indices >= 0, e.g. 3,2,8")
+    return values
+
+
 def block_size(text: str) -> int:
     """Tokens of a draft block: 2..models.drafter_config.MAX_BLOCK_SIZE."""
     return _bounded(int, f"an integer in 2..{MAX_BLOCK_SIZE}", low=2, high=MAX_BLOCK_SIZE)(text)

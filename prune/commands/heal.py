@@ -39,6 +39,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--lora-alpha", type=_types.positive_int, default=H.alpha,
                         help="LoRA alpha (scale = alpha / rank)")
     parser.add_argument("--lr", type=_types.positive_float, default=H.lr, help="peak learning rate")
+    parser.add_argument("--gamma", type=_types.positive_float, default=H.gamma,
+                        help="slot weight decay: draft slot i of a block weighs exp(-(i-1)/gamma) in the loss")
     parser.add_argument("--distill", type=_types.fraction, default=H.distill_weight, metavar="W",
                         help="share of the loss that matches the teacher's predictions (KL) instead of the "
                         "target's tokens")
@@ -81,7 +83,7 @@ def run(args) -> int:
                           "(prune distill output)")
     examples = load_heal_examples(*chosen)
     config = replace(FINISHING_HEAL, steps=args.steps, rank=args.lora_rank, alpha=args.lora_alpha, lr=args.lr,
-                     distill_weight=args.distill, seed=args.seed)
+                     gamma=args.gamma, distill_weight=args.distill, seed=args.seed)
     config.validate()
     dtype = resolve_export_dtype(args.dtype, args.source)
     record = heal_folder(args.source, args.destination, teacher, examples, config, describe(*chosen), dtype=dtype,
