@@ -57,7 +57,7 @@ def current_indices(kept: list[int], original) -> list[int]:
     missing = [i for i in original if i not in kept]
     if missing:
         raise ConfigError(f"original layer {missing[0]} is not in this drafter (already removed or out of range); "
-                          f"it holds original layers {kept}")
+                          f"choose among the original layers it holds: {kept}")
     if len(set(original)) >= len(kept):
         raise ConfigError(f"cannot remove all {len(kept)} layers; at least one layer must remain")
     return [kept.index(i) for i in original]
