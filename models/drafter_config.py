@@ -11,9 +11,21 @@ REQUIRED_KEYS = ("block_size", "mask_token_id")  # what tells a block-diffusion 
 MAX_BLOCK_SIZE = 64
 
 
+def _getter(config):
+    """`get(key, default=None)` reading a transformers config or a dict (config.json as read)."""
+    return config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+
+
+def original_layers(config) -> list[int]:
+    """The 0-based indices, in the unpruned drafter, of the layers a drafter config describes: its
+    `original_layer_indices`, or 0..n-1 for a drafter that was never pruned (a transformers config or a dict)."""
+    get = _getter(config)
+    return list(get("original_layer_indices") or range(get("num_hidden_layers")))
+
+
 def validate_config(config, where: str = "drafter config") -> None:
     """Raise ConfigError naming the first inconsistency of a drafter config (a transformers config or a dict)."""
-    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    get = _getter(config)
     if get("model_type") != "qwen3":
         raise ConfigError(f"{where}: model_type is {get('model_type')!r}; a drafter must be a qwen3 model")
     for key in REQUIRED_KEYS:

@@ -9,7 +9,7 @@ import copy
 
 import torch
 
-from .drafter_config import validate_config
+from .drafter_config import original_layers, validate_config
 from .errors import ConfigError
 
 PROVENANCE_KEY = "original_layer_indices"
@@ -43,24 +43,29 @@ def remove_layers(model: torch.nn.Module, indices) -> torch.nn.Module:
     bad = [i for i in remove if not 0 <= i < n]
     if bad:
         raise ConfigError(f"layer index {bad[0]} is out of range; this drafter has layers 0..{n - 1}")
-    if len(remove) >= n:
-        raise ConfigError(f"cannot remove all {n} layers; at least one layer must remain")
+    _check_one_remains(n, len(remove))
     keep = [i for i in range(n) if i not in remove]
-    original = list(getattr(config, PROVENANCE_KEY, None) or range(n))
+    original = original_layers(config)
     return _rebuilt(model, [(i, 1.0) for i in keep], [original[i] for i in keep])
 
 
-def current_indices(kept: list[int], original) -> list[int]:
+def current_indices(config, original) -> list[int]:
     """The current (0-based) indices of the layers that had indices `original` in the unpruned drafter, in
-    the order given, for a drafter that holds the original layers `kept` (its `original_layer_indices`, or
-    0..n-1). A layer it no longer holds, or all of them, is a ConfigError."""
+    the order given, for the drafter `config` describes (a transformers config or config.json as a dict, so
+    that a command checks them before the weights load). A layer it no longer holds, or all of them, is a
+    ConfigError."""
+    kept = original_layers(config)
     missing = [i for i in original if i not in kept]
     if missing:
         raise ConfigError(f"original layer {missing[0]} is not in this drafter (already removed or out of range); "
                           f"choose among the original layers it holds: {kept}")
-    if len(set(original)) >= len(kept):
-        raise ConfigError(f"cannot remove all {len(kept)} layers; at least one layer must remain")
+    _check_one_remains(len(kept), len(set(original)))
     return [kept.index(i) for i in original]
+
+
+def _check_one_remains(layers: int, removed: int) -> None:
+    if removed >= layers:
+        raise ConfigError(f"cannot remove all {layers} layers; at least one layer must remain")
 
 
 def split_layers(model: torch.nn.Module, replace, sources) -> torch.nn.Module:

@@ -29,6 +29,7 @@ from decode.decoders import DecodeResult, decode_ar, decode_speculative
 from decode.metrics import paired_ratio_error, summarize
 from decode.timing import drafter_pass_ms, measure_pass_times
 from decode.verifiers import LiveVerifier, ReplayVerifier
+from models.drafter_config import original_layers
 from models.errors import ConfigError
 from models.faults import fault_point
 from models.surgery import remove_layers
@@ -362,7 +363,7 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
     if CRITERIA[config.criterion].needs_speedup and base_speedup is None:
         raise ConfigError(f"the {config.criterion} criterion needs the target's pass times; pass the target")
     layers = drafter.config.num_hidden_layers
-    original = list(getattr(drafter.config, "original_layer_indices", None) or range(layers))
+    original = original_layers(drafter.config)
 
     def done(layer: int, score: LayerScore) -> None:
         """One evaluation finished (or restored from the journal): the round's progress."""

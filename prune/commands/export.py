@@ -41,7 +41,7 @@ def run(args) -> int:
     from models.checkpoint import WEIGHTS_NAME, ensure_writable_output, read_config_json
     from models.drafter import load_drafter
     from models.precision import dtype_name
-    from models.surgery import PROVENANCE_KEY, current_indices, remove_layers
+    from models.surgery import current_indices, remove_layers
     from prune.export import export_step, read_report, resolve_export_dtype
 
     from ._common import quiet_libraries, write_json
@@ -49,9 +49,8 @@ def run(args) -> int:
     quiet_libraries()
     ensure_writable_output(args.destination, args.overwrite)  # before the weights load
     source = Path(args.source).resolve()
-    config = read_config_json(source)  # the layers to remove are checked before the weights load
-    removed = current_indices(config.get(PROVENANCE_KEY) or list(range(config["num_hidden_layers"])),
-                              args.remove_layers or ())
+    if args.remove_layers:  # checked against config.json before the weights load
+        removed = current_indices(read_config_json(source), args.remove_layers)
     model = load_drafter(source)
     report, history = read_report(source)
     report["exported_from"] = str(source)
