@@ -74,14 +74,40 @@ class ScoreConfig:
                               f"{self.screen_keep} >= 1")
 
 
+@dataclass(frozen=True)
+class HealWeights:
+    """What a heal trains (HealConfig.train; prune.heal.TRAINERS builds each).
+
+    Attributes:
+        help: one line for --help.
+        lr: its default peak learning rate.
+    """
+
+    help: str
+    lr: float
+
+
+# Adapters are the per-step default (light to checkpoint, merged after); a full fine-tune of the decoder layers
+# went on recovering held-out tau over three times the updates where adapters had stopped (docs/design.md,
+# Healing a finished drafter), at a lower rate since every weight moves.
+HEAL_WEIGHTS: dict[str, HealWeights] = {
+    "lora": HealWeights("LoRA adapters on the attention and MLP projections (--lora-rank, --lora-alpha), merged "
+                        "into the weights after", 5e-4),
+    "full": HealWeights("every decoder layer's weights and the final norm (the embedding and the tied head stay "
+                        "as they are)", 1e-4),
+}
+
+
 @dataclass
 class HealConfig:
-    """LoRA healing settings (prune.heal).
+    """Healing settings (prune.heal).
 
     Attributes:
         steps: optimizer updates (0 disables healing).
-        rank, alpha, dropout: LoRA rank, scaling numerator (scale = alpha / rank) and dropout.
-        target_modules: module names that get adapters.
+        train: a name of HEAL_WEIGHTS: what the heal trains, LoRA adapters ("lora") or the decoder layers
+            themselves ("full").
+        rank, alpha, dropout: LoRA rank, scaling numerator (scale = alpha / rank) and dropout (train "lora").
+        target_modules: module names that get adapters (train "lora").
         lr, batch_size, warmup_steps, blocks_per_sequence, max_length, gamma: as in
             `prune.training.config.TrainConfig`.
         distill_weight: share of the loss that matches the teacher passed to `prune.heal.heal` (a campaign
@@ -96,11 +122,12 @@ class HealConfig:
     """
 
     steps: int = 40
+    train: str = "lora"
     rank: int = 8
     alpha: int = 16
     dropout: float = 0.0
     target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
-    lr: float = 5e-4
+    lr: float = HEAL_WEIGHTS["lora"].lr
     batch_size: int = 4
     warmup_steps: int = 5
     blocks_per_sequence: int = 16
@@ -111,6 +138,8 @@ class HealConfig:
     seed: int = 0
 
     def validate(self) -> None:
+        if self.train not in HEAL_WEIGHTS:
+            raise ConfigError(f"unknown heal weights {self.train!r}; choose {one_of(HEAL_WEIGHTS)} (--train)")
         if not 0 <= self.min_drop <= 1:
             raise ConfigError(f"--heal-min-drop {self.min_drop} must be in [0, 1]")
         if self.steps < 0 or self.rank < 1 or self.alpha <= 0:

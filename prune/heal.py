@@ -1,11 +1,12 @@
-"""Healing after layer removal: a short LoRA fine-tune with the drafter's own training loss, then merged.
+"""Healing after layer removal: a short fine-tune with the drafter's own training loss.
 
-The adapter (peft) trains on the distillation data with `prune.training.loop.train` and the block-diffusion
-loss, and is merged into the weights with `merge_and_unload`, so the healed drafter is again a plain
-`Qwen3ForCausalLM` that saves and loads without peft. Settings: prune.config.HealConfig. The caller decides
-whether to keep the result (docs/design.md, Progressive pruning: keep the pre-heal weights when a heal lowers
-tau). `heal_folder` is `prune heal`: one longer heal of an exported drafter, distilled from its unpruned
-source, checkpointed and exported like a step (docs/design.md, Healing a finished drafter).
+What trains is a table (`TRAINERS`, named by prune.config.HEAL_WEIGHTS): LoRA adapters (peft), merged into
+the weights with `merge_and_unload` after, or the decoder layers themselves. Either way the heal runs
+`prune.training.loop.train` with the block-diffusion loss on the distillation data, and the healed drafter is
+again a plain `Qwen3ForCausalLM` that saves and loads without peft. Settings: prune.config.HealConfig. The
+caller decides whether to keep the result (docs/design.md, Progressive pruning: keep the pre-heal weights
+when a heal lowers tau). `heal_folder` is `prune heal`: one longer heal of an exported drafter, distilled from
+its unpruned source, checkpointed and exported like a step (docs/design.md, Healing a finished drafter).
 """
 
 import copy
@@ -13,7 +14,8 @@ import json
 import shutil
 import time
 import warnings
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -61,9 +63,44 @@ def add_lora(model: torch.nn.Module, config: HealConfig):
         return get_peft_model(copy.deepcopy(model), lora)
 
 
+def merge_lora(peft_model) -> torch.nn.Module:
+    """The plain drafter with the adapters folded into its weights."""
+    return peft_model.merge_and_unload()
+
+
+def unfreeze_decoder(model: torch.nn.Module, config: HealConfig) -> torch.nn.Module:
+    """A copy of `model` whose decoder layers and final norm train; the embedding (tied to the head) stays, so
+    the vocabulary's rows keep the meaning the drafter's other layers read."""
+    trainable = copy.deepcopy(model)
+    for name, param in trainable.named_parameters():
+        param.requires_grad_(".layers." in name or name.endswith("model.norm.weight"))
+    return trainable
+
+
+def freeze(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with no weight left trainable, as a loaded drafter is."""
+    return model.requires_grad_(False)
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """How a heal trains (one entry of TRAINERS): `prepare(model, config)` makes a trainable copy, `finish`
+    turns the trained copy into the plain drafter to keep."""
+
+    prepare: Callable[[torch.nn.Module, HealConfig], torch.nn.Module]
+    finish: Callable[[torch.nn.Module], torch.nn.Module]
+
+
+TRAINERS: dict[str, Trainer] = {
+    "lora": Trainer(add_lora, merge_lora),
+    "full": Trainer(unfreeze_decoder, freeze),
+}
+
+
 def heal(model: torch.nn.Module, examples: list[Example], config: HealConfig, device=None, teacher=None,
          checkpoint_dir=None, progress: bool = False, label: str = "heal"):
-    """LoRA-fine-tune a copy of `model` on `examples` and merge it; returns (healed model, loss history).
+    """Fine-tune a copy of `model` on `examples` (what trains: `config.train`, TRAINERS); returns (healed
+    model, loss history).
 
     `teacher`: the drafter `model` was pruned from (or a prune.training.loss.Teacher around it), matched with
     weight `config.distill_weight`.
@@ -71,12 +108,12 @@ def heal(model: torch.nn.Module, examples: list[Example], config: HealConfig, de
     config.validate()
     if config.steps == 0:
         return copy.deepcopy(model), []
-    peft_model = add_lora(model, config)
-    history = train(peft_model, examples, train_config(config, checkpoint_dir, progress, label), device=device,
+    trainer = TRAINERS[config.train]
+    trainable = trainer.prepare(model, config)
+    history = train(trainable, examples, train_config(config, checkpoint_dir, progress, label), device=device,
                     teacher=teacher if config.distill_weight > 0 else None)
     fault_point("heal")
-    merged = peft_model.merge_and_unload()
-    return merged.eval(), history
+    return trainer.finish(trainable).eval(), history
 
 
 def heal_folder(source, destination, teacher_dir, examples: list[Example], config: HealConfig, data: list[str],
@@ -101,7 +138,7 @@ def heal_folder(source, destination, teacher_dir, examples: list[Example], confi
     identity = {**record, "source_hash": fingerprint(model), "teacher_hash": fingerprint(teacher)}
     checkpoints = checkpoint_folder(destination)
     marker = checkpoints / "heal.json"
-    if marker.is_file() and json.loads(marker.read_text()) != json.loads(json.dumps(identity, default=str)):
+    if marker.is_file() and _recorded(marker) != json.loads(json.dumps(identity, default=str)):
         raise CheckpointError(f"{checkpoints} holds a heal of another source, teacher, data or settings; delete "
                               "it to start over, or rerun that heal's command")
     checkpoints.mkdir(parents=True, exist_ok=True)
@@ -119,6 +156,15 @@ def heal_folder(source, destination, teacher_dir, examples: list[Example], confi
                 dtype=dtype or resolve_export_dtype(None, source), overwrite=overwrite)
     shutil.rmtree(checkpoints)
     return record
+
+
+def _recorded(marker: Path) -> dict:
+    """The identity a killed heal recorded, with the settings added since (e.g. `train`) at their defaults:
+    what that version trained, so its checkpoint continues under the same flags."""
+    recorded = json.loads(marker.read_text())
+    defaults = json.loads(json.dumps(asdict(HealConfig()), default=str))
+    recorded["settings"] = {**defaults, **recorded.get("settings", {})}
+    return recorded
 
 
 def checkpoint_folder(destination) -> Path:

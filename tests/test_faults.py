@@ -31,7 +31,7 @@ from models.drafter import load_drafter, save_drafter
 from models.errors import CheckpointError
 from models.lock import lock_file, output_lock
 from prune.cli import main
-from prune.config import FINISHING_HEAL
+from prune.config import FINISHING_HEAL, HEAL_WEIGHTS
 from prune.export import REPORT_NAME
 from prune.heal import checkpoint_folder
 from prune.scoring import record_trajectories
@@ -203,13 +203,39 @@ def test_prune_heal_distills_a_finished_run_and_a_killed_heal_resumes_to_the_sam
     assert code == -signal.SIGKILL, err
     assert not again.exists() and checkpoint_folder(again).is_dir()
     # Another heal's settings never continue that state; the same command finishes it, byte for byte.
-    for other in (["--seed", "1"], ["--gamma", "2"]):
+    for other in (["--seed", "1"], ["--gamma", "2"], ["--train", "full"]):
         code, err = forked(main, heal_args(pair, reference / "final", again, *other))
         assert code == 1 and "holds a heal of another source, teacher, data or settings" in err, err
+    # A heal killed by a version before --train recorded no `train`: it continues as the adapter heal it was.
+    marker = checkpoint_folder(again) / "heal.json"
+    recorded = json.loads(marker.read_text())
+    assert recorded["settings"].pop("train") == "lora"
+    marker.write_text(json.dumps(recorded))
     code, err = forked(main, heal_args(pair, reference / "final", again))
     assert code == 0, err
     assert (again / "model.safetensors").read_bytes() == (healed / "model.safetensors").read_bytes()
     assert not checkpoint_folder(again).exists()
+
+
+def test_a_full_prune_heal_resumes_to_the_same_bytes_and_never_continues_an_adapters_state(pair, reference, tmp_path):
+    healed = tmp_path / "healed"
+    full = ("--train", "full", "--dtype", "float32")  # float32: a norm's few small updates survive the export
+    assert main(heal_args(pair, reference / "final", healed, *full, "--json", str(tmp_path / "h.json"))) == 0
+    settings = json.loads((tmp_path / "h.json").read_text())["settings"]
+    assert settings["train"] == "full" and settings["lr"] == HEAL_WEIGHTS["full"].lr  # the full fine-tune's own lr
+    before, after = (load_drafter(folder) for folder in (reference / "final", healed))
+    moved = {n for n, p in after.named_parameters() if not torch.equal(p, dict(before.named_parameters())[n])}
+    assert any("layernorm" in n for n in moved)  # the norms move too, which no adapter touches
+    assert not any("embed" in n for n in moved)
+
+    again = tmp_path / "again"
+    code, err = forked(main, heal_args(pair, reference / "final", again, *full), kill_at="train-checkpoint")
+    assert code == -signal.SIGKILL, err
+    code, err = forked(main, heal_args(pair, reference / "final", again))  # adapters: another heal
+    assert code == 1 and "holds a heal of another source, teacher, data or settings" in err, err
+    code, err = forked(main, heal_args(pair, reference / "final", again, *full))
+    assert code == 0, err
+    assert (again / "model.safetensors").read_bytes() == (healed / "model.safetensors").read_bytes()
 
 
 def test_prune_heal_refuses_a_drafter_without_teacher_or_a_used_destination(pair, reference, tmp_path, capsys):

@@ -1,4 +1,5 @@
-"""LoRA healing, tested as peft tests merging: adapter == merged, nothing of peft remains, it changes weights."""
+"""Healing, tested as peft tests merging: adapter == merged, nothing of peft remains, it changes weights; and the
+full fine-tune: every decoder weight moves, the embedding does not."""
 
 import pytest
 import torch
@@ -70,6 +71,36 @@ def test_bad_heal_settings():
 
     with pytest.raises(ConfigError, match="--lora-rank"):
         HealConfig(rank=0).validate()
+    with pytest.raises(ConfigError, match="unknown heal weights 'adapter'; choose lora or full"):
+        HealConfig(train="adapter").validate()
+
+
+def test_every_heal_weights_choice_has_a_trainer():
+    from prune.config import HEAL_WEIGHTS
+    from prune.heal import TRAINERS
+
+    assert set(TRAINERS) == set(HEAL_WEIGHTS) and HealConfig().lr == HEAL_WEIGHTS[HealConfig().train].lr
+
+
+def test_a_full_heal_trains_the_decoder_layers_and_leaves_the_embedding(tmp_path):
+    base = build_tiny_drafter(num_hidden_layers=2, block_size=4)
+    config = HealConfig(steps=6, train="full", batch_size=4, lr=1e-3)
+    model, history = heal(base, examples(), config)
+    assert len(history) == 6 and history[-1]["loss"] < history[0]["loss"]
+    assert type(model).__name__ == "Qwen3ForCausalLM" and not any(p.requires_grad for p in model.parameters())
+    original = dict(base.named_parameters())
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, original[n])}
+    # Every weight of every layer moves (an adapter would only move its target modules' weights), the final
+    # norm too; the embedding, which the head shares, does not.
+    assert changed == {n for n in original if ".layers." in n or n == "model.norm.weight"}
+    again, _ = heal(base, examples(), config)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    fresh = build_tiny_drafter(num_hidden_layers=2, block_size=4)
+    assert all(torch.equal(a, b) for a, b in zip(base.parameters(), fresh.parameters()))
+    save_drafter(model, tmp_path / "healed")
+    ids = torch.arange(10)[None]
+    with torch.no_grad():
+        assert torch.equal(load_drafter(tmp_path / "healed")(ids).logits, model(ids).logits)
 
 
 def test_a_heal_with_a_teacher_pulls_a_pruned_drafter_towards_it():

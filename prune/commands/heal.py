@@ -1,4 +1,4 @@
-"""`prune heal`: one longer LoRA heal of a finished drafter (a `prune run` step), distilled from the drafter it
+"""`prune heal`: one longer heal of a finished drafter (a `prune run` step), distilled from the drafter it
 was pruned from, exported as a new folder.
 
 The settings' defaults are `prune.config.FINISHING_HEAL`; docs/design.md (Healing a finished drafter) says why.
@@ -9,20 +9,23 @@ from ._common import DTYPES, add_command, add_debug
 
 EXAMPLES = """examples:
   prune heal pruned/final pruned-healed                       (a run on the demo pair: teacher and data known)
+  prune heal pruned/final healed --train full --steps 480     (every decoder weight, three times as long)
   prune heal pruned/final healed --teacher D --data data/distill --steps 400"""
 
 
 def add_parser(subparsers) -> None:
     from prune.config import FINISHING_HEAL as H
+    from prune.config import HEAL_WEIGHTS
 
     parser = add_command(
         subparsers,
         "heal",
-        help="heal a pruned drafter with a longer LoRA fine-tune distilled from its unpruned source",
-        description="Fine-tune a LoRA adapter on SOURCE (e.g. OUT/final of `prune run`) so that its predictions "
-        "match the drafter it was pruned from (KL, --distill) on distillation data, merge it and export the "
-        "result to DESTINATION (plain Qwen3 folder, atomically). The adapter's training state is checkpointed "
-        f"beside DESTINATION every few updates; the same command resumes a killed heal.\n\n{EXAMPLES}",
+        help="heal a pruned drafter with a longer fine-tune distilled from its unpruned source",
+        description="Fine-tune SOURCE (e.g. OUT/final of `prune run`; LoRA adapters merged after, or every "
+        "decoder weight: --train) so that its predictions match the drafter it was pruned from (KL, --distill) "
+        "on distillation data, and export the result to DESTINATION (plain Qwen3 folder, atomically). The "
+        "training state is checkpointed beside DESTINATION every few updates; the same command resumes a "
+        f"killed heal.\n\n{EXAMPLES}",
     )
     parser.add_argument("source", type=_types.drafter_dir, help="the pruned drafter folder to heal")
     parser.add_argument("destination", type=_types.output_dir,
@@ -34,11 +37,15 @@ def add_parser(subparsers) -> None:
                         "shipped folders when the teacher is the demo drafter; required otherwise)")
     parser.add_argument("--data-weights", type=_types.positive_int, nargs="+", default=None, metavar="W",
                         help="repeat each --data folder's sequences this many times (default: 1 each)")
-    parser.add_argument("--steps", type=_types.positive_int, default=H.steps, help="LoRA updates")
-    parser.add_argument("--lora-rank", type=_types.positive_int, default=H.rank, help="LoRA rank")
+    parser.add_argument("--steps", type=_types.positive_int, default=H.steps, help="optimizer updates")
+    parser.add_argument("--train", choices=tuple(HEAL_WEIGHTS), default=H.train,
+                        help="what trains: " + "; ".join(f"{name}: {w.help}" for name, w in HEAL_WEIGHTS.items()))
+    parser.add_argument("--lora-rank", type=_types.positive_int, default=H.rank, help="LoRA rank (--train lora)")
     parser.add_argument("--lora-alpha", type=_types.positive_int, default=H.alpha,
-                        help="LoRA alpha (scale = alpha / rank)")
-    parser.add_argument("--lr", type=_types.positive_float, default=H.lr, help="peak learning rate")
+                        help="LoRA alpha (scale = alpha / rank) (--train lora)")
+    parser.add_argument("--lr", type=_types.positive_float, default=None,
+                        help="peak learning rate (default: " + ", ".join(f"{w.lr:g} with --train {name}"
+                                                                         for name, w in HEAL_WEIGHTS.items()) + ")")
     parser.add_argument("--gamma", type=_types.positive_float, default=H.gamma,
                         help="slot weight decay: draft slot i of a block weighs exp(-(i-1)/gamma) in the loss")
     parser.add_argument("--distill", type=_types.fraction, default=H.distill_weight, metavar="W",
@@ -65,7 +72,7 @@ def run(args) -> int:
 
     from models.checkpoint import ensure_writable_output
     from models.errors import ConfigError
-    from prune.config import FINISHING_HEAL
+    from prune.config import FINISHING_HEAL, HEAL_WEIGHTS
     from prune.export import resolve_export_dtype
     from prune.heal import heal_folder
 
@@ -82,8 +89,9 @@ def run(args) -> int:
         raise ConfigError("no healing data: give distillation folders of the teacher's target with --data DIR "
                           "(prune distill output)")
     examples = load_heal_examples(*chosen)
-    config = replace(FINISHING_HEAL, steps=args.steps, rank=args.lora_rank, alpha=args.lora_alpha, lr=args.lr,
-                     gamma=args.gamma, distill_weight=args.distill, seed=args.seed)
+    lr = args.lr if args.lr is not None else HEAL_WEIGHTS[args.train].lr
+    config = replace(FINISHING_HEAL, steps=args.steps, train=args.train, rank=args.lora_rank, alpha=args.lora_alpha,
+                     lr=lr, gamma=args.gamma, distill_weight=args.distill, seed=args.seed)
     config.validate()
     dtype = resolve_export_dtype(args.dtype, args.source)
     record = heal_folder(args.source, args.destination, teacher, examples, config, describe(*chosen), dtype=dtype,
