@@ -2,7 +2,8 @@
 defaults and validation, read by the library and by the `prune` command line (nothing here imports torch).
 """
 
-from dataclasses import dataclass, field, replace
+import json
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
 
 from decode.config import VERIFY_MODES, DecodeConfig
 from models.errors import ConfigError, one_of
@@ -90,6 +91,7 @@ class HealWeights:
 # Adapters are the default (a few MB to checkpoint, merged after). A full fine-tune of the decoder layers kept
 # lowering the loss over three times the updates where adapters had stopped, and held about 0.7 point more
 # held-out tau on average (docs/design.md, Healing a finished drafter); its lr is lower since every weight moves.
+DEFAULT_HEAL_WEIGHTS = "lora"
 HEAL_WEIGHTS: dict[str, HealWeights] = {
     "lora": HealWeights("LoRA adapters on the attention and MLP projections (--lora-rank, --lora-alpha), merged "
                         "into the weights after", 5e-4),
@@ -122,12 +124,12 @@ class HealConfig:
     """
 
     steps: int = 40
-    train: str = "lora"
+    train: str = DEFAULT_HEAL_WEIGHTS
     rank: int = 8
     alpha: int = 16
     dropout: float = 0.0
     target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
-    lr: float = HEAL_WEIGHTS["lora"].lr
+    lr: float = HEAL_WEIGHTS[DEFAULT_HEAL_WEIGHTS].lr
     batch_size: int = 4
     warmup_steps: int = 5
     blocks_per_sequence: int = 16
@@ -248,3 +250,23 @@ class RunConfig:
             )
         self.score.validate()
         self.heal.validate()
+
+
+def settings_record(settings) -> dict:
+    """A settings dataclass (or a dict holding some) as plain JSON values, the form state.json and a heal's
+    checkpoint marker store and compare."""
+    return json.loads(json.dumps(asdict(settings) if is_dataclass(settings) else settings, default=str))
+
+
+def complete_settings(stored: dict, defaults: dict, before: dict | None = None) -> dict:
+    """`stored` settings (a settings_record an older version wrote) with the settings added since at their
+    `defaults` (nested records merged alike), or, for a name in `before`, at the value that reproduces what
+    that version did: what it saved continues under the same flags."""
+    before = before or {}
+    merged = dict(stored)
+    for key, value in defaults.items():
+        if key not in merged:
+            merged[key] = before.get(key, value)
+        elif isinstance(value, dict) and isinstance(merged[key], dict):
+            merged[key] = complete_settings(merged[key], value, before)
+    return merged

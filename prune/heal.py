@@ -29,7 +29,7 @@ from prune.training.loop import train
 from prune.training.loss import Example
 
 from .cache import fingerprint
-from .config import HealConfig
+from .config import HealConfig, complete_settings, settings_record
 from .export import export_step, read_report, resolve_export_dtype
 
 CHECKPOINT_EVERY = 10  # updates between checkpoints of a resumable heal (a minute or two on two CPU cores)
@@ -138,7 +138,7 @@ def heal_folder(source, destination, teacher_dir, examples: list[Example], confi
     identity = {**record, "source_hash": fingerprint(model), "teacher_hash": fingerprint(teacher)}
     checkpoints = checkpoint_folder(destination)
     marker = checkpoints / "heal.json"
-    if marker.is_file() and _recorded(marker) != json.loads(json.dumps(identity, default=str)):
+    if marker.is_file() and _recorded(marker) != settings_record(identity):
         raise CheckpointError(f"{checkpoints} holds a heal of another source, teacher, data or settings; delete "
                               "it to start over, or rerun that heal's command")
     checkpoints.mkdir(parents=True, exist_ok=True)
@@ -161,10 +161,7 @@ def heal_folder(source, destination, teacher_dir, examples: list[Example], confi
 def _recorded(marker: Path) -> dict:
     """The identity a killed heal recorded, with the settings added since (e.g. `train`) at their defaults:
     what that version trained, so its checkpoint continues under the same flags."""
-    recorded = json.loads(marker.read_text())
-    defaults = json.loads(json.dumps(asdict(HealConfig()), default=str))
-    recorded["settings"] = {**defaults, **recorded.get("settings", {})}
-    return recorded
+    return complete_settings(json.loads(marker.read_text()), {"settings": settings_record(HealConfig())})
 
 
 def checkpoint_folder(destination) -> Path:

@@ -18,7 +18,6 @@ prune/config.py.
 """
 
 import functools
-import json
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -30,7 +29,7 @@ from models.errors import CheckpointError, ConfigError
 from models.surgery import remove_layers
 
 from .cache import model_identity
-from .config import RunConfig
+from .config import RunConfig, complete_settings, settings_record
 from .export import export_step, resolve_export_dtype, round_to_dtype
 from .heal import heal
 from .journal import ScoringJournal, remove_journals
@@ -460,7 +459,7 @@ def _commit_step(run: _Run, state: RunState, healed, record: StepRecord) -> None
 
 def config_record(config: RunConfig) -> dict:
     """The settings of a campaign as plain JSON values (as stored in state.json)."""
-    return json.loads(json.dumps(asdict(config), default=str))
+    return settings_record(config)
 
 
 # Settings added since a run could be saved without them, at the value that reproduces what runs did before:
@@ -470,16 +469,9 @@ SETTINGS_BEFORE_THEY_EXISTED = {"check_prompts": 0, "check_candidates": 1, "chec
 
 
 def with_defaults(stored: dict, defaults: dict) -> dict:
-    """`stored` settings (a config_record of an older version) with the settings added since at their
-    defaults (or, for those in SETTINGS_BEFORE_THEY_EXISTED, at the value that reproduces what that version
-    did): a run it saved resumes under the same flags."""
-    merged = dict(stored)
-    for key, value in defaults.items():
-        if key not in merged:
-            merged[key] = SETTINGS_BEFORE_THEY_EXISTED.get(key, value)
-        elif isinstance(value, dict) and isinstance(merged[key], dict):
-            merged[key] = with_defaults(merged[key], value)
-    return merged
+    """A saved run's settings completed for this version (prune.config.complete_settings, with the settings
+    whose old behaviour is not their default at SETTINGS_BEFORE_THEY_EXISTED)."""
+    return complete_settings(stored, defaults, SETTINGS_BEFORE_THEY_EXISTED)
 
 
 def setting_differences(stored: dict, given: dict, prefix: str = "") -> list[str]:

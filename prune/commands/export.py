@@ -49,8 +49,8 @@ def run(args) -> int:
     quiet_libraries()
     ensure_writable_output(args.destination, args.overwrite)  # before the weights load
     source = Path(args.source).resolve()
-    if args.remove_layers:  # checked against config.json before the weights load
-        removed = current_indices(read_config_json(source), args.remove_layers)
+    # The layers to remove are checked against config.json before the weights load.
+    removed = current_indices(read_config_json(source), args.remove_layers) if args.remove_layers else None
     model = load_drafter(source)
     report, history = read_report(source)
     report["exported_from"] = str(source)
