@@ -10,11 +10,21 @@ On the CPU a time is wall time. On CUDA it is device time between two CUDA event
 stream: one recorded before the pass is queued, one after it ends, recorded once that stream has waited
 for the drafter's stream (decode.worker.draft_stream), so a pass on either stream, or both at once, is
 timed from the moment the device could start it to the moment its last kernel finished.
+
+Pinned pass times replace the stopwatch: with `$D3D_PRUNE_PASS_TIMES` naming a JSON file (`PinnedTimes`),
+every measurement here returns times computed from that file instead of timing passes. Every decision that
+reads pass times (verify width, candidate count, gate, predicted speedups, stop rules) then comes out the
+same on any machine under any load; the test suite runs on pinned times, and a user can pin a record to
+reproduce a run's decisions elsewhere. Cache keys hold the pinned record (prune.cache.pass_times_key).
 """
 
 import functools
+import json
+import os
 import statistics
 import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -25,6 +35,75 @@ from .verifiers import LiveVerifier
 from .worker import draft_stream, draft_worker, thread_split
 from models.masks import BlockSpec
 from models.surgery import remove_layers
+
+
+PINNED_TIMES_ENV = "D3D_PRUNE_PASS_TIMES"
+
+
+@dataclass(frozen=True)
+class PinnedTimes:
+    """Pass times given instead of measured (see the module docstring), in ms.
+
+    The target's passes are PassTimes' (ar_ms, per_token_ms, step_ms, contention); a drafter's sync draft
+    and full-budget packed pass are affine in its depth (`draft`, `packed`: decode.cost.LayerCost), so
+    pruned drafters read cheaper as measured ones do. The JSON file holds these fields, the two layer
+    costs as {"fixed_ms": F, "per_layer_ms": L}.
+    """
+
+    ar_ms: float
+    per_token_ms: float
+    draft: LayerCost
+    packed: LayerCost
+    contention: float = 0.0
+    step_ms: float = 0.0
+
+    def for_drafter(self, drafter, packed_budget: int) -> PassTimes:
+        """The PassTimes `measure_pass_times` would return for `drafter` at `packed_budget`."""
+        layers = drafter.config.num_hidden_layers
+        draft_tokens, packed_tokens = pass_tokens(drafter.config.block_size, packed_budget)
+        return PassTimes(self.ar_ms, self.per_token_ms, self.draft.at(layers), self.packed.at(layers),
+                         self.contention, draft_tokens, packed_tokens, self.step_ms)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, record: dict, where: str = "pinned pass times") -> "PinnedTimes":
+        from models.errors import ConfigError
+
+        try:
+            fields = {**record, "draft": LayerCost(**record["draft"]), "packed": LayerCost(**record["packed"])}
+            times = cls(**fields)
+        except (KeyError, TypeError) as error:
+            raise ConfigError(f"{where} is not a pinned pass-times record ({error}); it needs ar_ms, per_token_ms, "
+                              "draft and packed ({\"fixed_ms\": F, \"per_layer_ms\": L}), optionally contention "
+                              "and step_ms") from None
+        if min(times.ar_ms, times.per_token_ms, times.step_ms, *asdict(times.draft).values(),
+               *asdict(times.packed).values()) < 0 or times.ar_ms <= 0 or not 0 <= times.contention <= 1:
+            raise ConfigError(f"{where} holds a negative time, a zero ar_ms or a contention outside [0, 1]; fix the file")
+        return times
+
+
+def pinned_times() -> PinnedTimes | None:
+    """The pass times pinned by `$D3D_PRUNE_PASS_TIMES` (a JSON file), or None when it is unset or empty."""
+    from models.errors import ConfigError
+
+    path = os.environ.get(PINNED_TIMES_ENV)
+    if not path:
+        return None
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"${PINNED_TIMES_ENV} names {path}, which is not a readable JSON file ({error}); "
+                          f"fix it or unset {PINNED_TIMES_ENV} to measure pass times") from None
+    return PinnedTimes.from_dict(record, where=f"${PINNED_TIMES_ENV} file {path}")
+
+
+def pass_tokens(block_size: int, packed_budget: int) -> tuple[int, int]:
+    """(query tokens of a sync draft pass, of a full-budget packed pass): the chain's block and the most
+    candidate blocks of block_size + 1 tokens that `packed_budget` holds (at least one)."""
+    candidates = max(1, min(block_size - 1, packed_budget // (block_size + 1)))
+    return 1 + block_size, block_size + candidates * (block_size + 1)
 
 
 def elapsed_ms(run, device: torch.device) -> float:
@@ -72,11 +151,10 @@ class _DrafterProbe:
     def __init__(self, drafter, packed_budget: int, context: int):
         block = drafter.config.block_size
         ids = _context_ids(context, drafter.config.mask_token_id)
-        candidates = max(1, min(block - 1, packed_budget // (block + 1)))
+        self.draft_tokens, self.packed_tokens = pass_tokens(block, packed_budget)  # query tokens of each pass
+        candidates = (self.packed_tokens - block) // (block + 1)
         self.draft = DraftRequest(ids[:1], [BlockSpec(context)])
         self.packed = DraftRequest(ids[:block], [BlockSpec(context + a, guess=ids[a]) for a in range(candidates)])
-        self.draft_tokens = 1 + block  # query tokens of each pass
-        self.packed_tokens = block + candidates * (block + 1)
         self.engine = DraftEngine(drafter, rows=1)
         self.engine.forward([DraftRequest(ids, [])])
         self.engine.keep([context])
@@ -102,6 +180,10 @@ class _TargetProbe:
 
 def drafter_pass_ms(drafter, packed_budget: int, repeats: int = 7, context: int = 64) -> tuple[float, float]:
     """(sync draft pass, full-budget packed pass) of `drafter`, ms."""
+    pinned = pinned_times()
+    if pinned is not None:
+        times = pinned.for_drafter(drafter, packed_budget)
+        return times.draft_ms, times.packed_ms
     probe = _DrafterProbe(drafter, packed_budget, context)
     times = _interleaved_ms({"draft": lambda: probe.run(probe.draft), "packed": lambda: probe.run(probe.packed)},
                             repeats, probe.engine.device)
@@ -124,8 +206,11 @@ def measure_drafters(target, drafters, config: DecodeConfig, repeats: int = 7, c
     The target's ar step, the step up to wider passes and their slope come from passes of widths 1, 2,
     B/4, B/2 and B (B the block size; `verify_line`); contention comes from a verify pass of width B/2 and the packed
     pass run concurrently, as the async decoder runs them (packed pass on the worker thread, cores split
-    by `config.draft_threads`).
+    by `config.draft_threads`). Pinned times (`pinned_times`) are returned without timing anything.
     """
+    pinned = pinned_times()
+    if pinned is not None:
+        return [pinned.for_drafter(drafter, config.packed_budget) for drafter in drafters]
     block = config.verify_block(drafters[0].config.block_size)
     widths = sorted({1, 2, max(2, block // 4), max(2, block // 2), block})
     width = max(2, block // 2)
@@ -205,8 +290,11 @@ def drafter_layer_costs(drafter, packed_budget: int, repeats: int = 5, full: tup
     alone stays in the caches and looked cheaper than it decodes, so pruned drafters were predicted too
     fast (1.28x predicted, 1.04x measured at 8 of 36 layers removed). `full`: the drafter's own pass times
     when already measured (measure_pass_times); the fit then passes through them. Without a target the
-    half-depth copy is timed alone.
+    half-depth copy is timed alone. Pinned times (`pinned_times`) give their own layer costs.
     """
+    pinned = pinned_times()
+    if pinned is not None:
+        return pinned.draft, pinned.packed
     layers = drafter.config.num_hidden_layers
     if layers < 2:
         full = full or drafter_pass_ms(drafter, packed_budget, repeats, context)

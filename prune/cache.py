@@ -80,12 +80,17 @@ def pass_times_key(drafter, target, decode) -> str:
     products (models.lean.stacked) and the target's measured choice of them changed every pass time, and
     the target's one-token step is measured apart from wider passes (PassTimes.step_ms); v6: the drafter's
     fused form (models.lean.LeanDecoder, `fused`) and grouped top-k (decode.engine.top_k) changed its pass
-    times. Older records are measured again."""
+    times. Older records are measured again. Pinned pass times (decode.timing.pinned_times) are part of the
+    key, so a pinned record never stands in for a measured one or the reverse."""
+    from decode.timing import pinned_times
+
     device = next(target.parameters()).device
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    pinned = pinned_times()
     return fingerprint("pass-times v6", *model_identity(drafter), *model_identity(target), torch.get_num_threads(),
                        decode.packed_budget, decode.draft_threads, decode.block_size, platform.machine(),
-                       platform.processor(), gpu, torch.__version__)
+                       platform.processor(), gpu, torch.__version__,
+                       *(["pinned", pinned.to_dict()] if pinned else []))
 
 
 def timing_key(drafter, target, decode, repeats: int, times: dict | None) -> str:

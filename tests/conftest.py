@@ -6,10 +6,14 @@ head_dim 8) so that a swapped axis fails loudly instead of broadcasting. Ids 0..
 """
 
 import contextlib
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
+
+from models._wheels import CACHE_ENV, default_cache_dir
 
 # Tiny models gain nothing from intra-op threads, and OpenMP threads that spin on a loaded 2-core machine
 # made this suite 5-10x slower (measured: 7 s with one thread, 66 s with two, under a concurrent load).
@@ -20,6 +24,56 @@ torch.set_num_threads(int(os.environ.get("D3D_TEST_THREADS", "1")))
 os.environ["D3D_PRUNE_AUTO_DTYPE"] = "float32"
 # Commands log to W&B by default; tests do not, except those about tracking (they set WANDB_MODE themselves).
 os.environ["WANDB_MODE"] = "disabled"
+
+# The user's cache, read once before any test points $D3D_PRUNE_CACHE elsewhere. Tests read its downloads
+# (the demo target, the suites' wheels and data) and write nothing else there: every test gets a cache of its
+# own whose download folders link to these (see `isolated_cache`).
+USER_CACHE = default_cache_dir()
+SHARED_CACHE_FOLDERS = ("targets", "wheels", "data")
+
+# Pass times every test decides on unless it is about timing (marked `measured_times`): the verify width,
+# candidate count, gate and stop rules then come out the same on any machine and under any load
+# (decode.timing.PinnedTimes). A target step costs several drafter passes and the passes half overlap, so
+# the async decoder drafts candidates and speculation pays, as on the demo pair with a quiet CPU.
+PINNED_TEST_TIMES = {
+    "ar_ms": 10.0, "per_token_ms": 0.2, "step_ms": 0.0, "contention": 0.25,
+    "draft": {"fixed_ms": 1.0, "per_layer_ms": 0.1}, "packed": {"fixed_ms": 2.0, "per_layer_ms": 0.2},
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "measured_times: the test times real passes (no pinned pass times)")
+
+
+@pytest.fixture(scope="session")
+def pinned_times_file(tmp_path_factory) -> Path:
+    file = tmp_path_factory.mktemp("pinned") / "pass-times.json"
+    file.write_text(json.dumps(PINNED_TEST_TIMES))
+    return file
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(request, tmp_path_factory, monkeypatch, pinned_times_file):
+    """Every test gets its own cache folder ($D3D_PRUNE_CACHE) and pinned pass times.
+
+    Pass times, trajectories, timings and scores a test writes land in its own folder, so no record from an
+    earlier run (one measured under load, say) decides anything and the user's cache is never written; the
+    download folders link to the user's cache so that the demo target and suite data are fetched once.
+    """
+    from decode.timing import PINNED_TIMES_ENV
+
+    cache = tmp_path_factory.mktemp("cache")
+    for name in SHARED_CACHE_FOLDERS:
+        shared = USER_CACHE / name
+        shared.mkdir(parents=True, exist_ok=True)
+        (cache / name).symlink_to(shared, target_is_directory=True)
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    if request.node.get_closest_marker("measured_times"):
+        monkeypatch.delenv(PINNED_TIMES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(PINNED_TIMES_ENV, str(pinned_times_file))
+    return cache
+
 
 TINY_DRAFTER_SIZES = dict(
     vocab_size=99,

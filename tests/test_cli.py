@@ -75,12 +75,16 @@ def test_bench_json_report(pair_dirs, capsys, tmp_path):
     assert sum("drafter" in line for line in lines) == len(speculative) == 6
 
 
-def test_bench_replay_matches_live_tau(pair_dirs, capsys):
-    main(bench_args(pair_dirs, "--decoder", "async", "--json", "-"))
+@pytest.mark.parametrize("gate", ["off", "adaptive"])
+def test_bench_replay_matches_live_tau(pair_dirs, capsys, gate):
+    """Under the same settings (the gate defaults differ: adaptive live, off under replay) a replay makes the
+    live decoder's decisions: the same tau, hits and gated rounds."""
+    keys = ("tau_per_prompt", "hit_rate", "hit_rate_by_outcome", "gated_share")
+    main(bench_args(pair_dirs, "--decoder", "async", "--gate", gate, "--json", "-"))
     live = json.loads(capsys.readouterr().out)["decoders"]["async"]
-    main(bench_args(pair_dirs, "--decoder", "async", "--verify", "replay", "--json", "-"))
+    main(bench_args(pair_dirs, "--decoder", "async", "--gate", gate, "--verify", "replay", "--json", "-"))
     replay = json.loads(capsys.readouterr().out)["decoders"]["async"]
-    assert replay["tau_per_prompt"] == live["tau_per_prompt"] and replay["hit_rate"] == live["hit_rate"]
+    assert {key: replay[key] for key in keys} == {key: live[key] for key in keys}
     assert replay["speedup_vs_ar"] is None
 
 

@@ -103,6 +103,7 @@ def test_pass_time_kinds_are_sampled_in_turn():
     assert set(medians) == set(runs) and all(ms >= 0 for ms in medians.values())
 
 
+@pytest.mark.measured_times
 def test_measured_pass_times_of_a_tiny_pair_are_consistent():
     from _pairs import tiny_target
     from conftest import build_tiny_drafter
@@ -149,6 +150,7 @@ def test_a_one_token_step_below_the_wider_passes_is_a_step():
     assert PassTimes(**{k: v for k, v in t.to_dict().items() if k != "step_ms"}).verify_ms(5) == 48.0
 
 
+@pytest.mark.measured_times
 def test_drafters_measured_together_share_one_target_measurement():
     from _pairs import tiny_target
     from conftest import build_tiny_drafter
@@ -200,3 +202,44 @@ def test_a_fitted_layer_cost_reproduces_the_measured_depth_and_stays_physical():
     # The shallow pass read slower than the full one: depth buys nothing, the full pass stays as measured.
     flat = LayerCost.fit(36, 27.0, 18, 28.0)
     assert flat.per_layer_ms == 0.0 and flat.at(20) == 27.0
+
+
+def test_pinned_pass_times_replace_the_stopwatch(pinned_times_file):
+    """With $D3D_PRUNE_PASS_TIMES set (as every test not marked measured_times has it), every measurement
+    returns the pinned record's times, affine in the drafter's depth, and times nothing."""
+    from _pairs import tiny_target
+    from conftest import PINNED_TEST_TIMES, build_tiny_drafter
+    from decode import timing
+    from decode.cost import LayerCost
+    from decode.decoders import DecodeConfig
+    from models.surgery import remove_layers
+
+    assert timing.pinned_times() is not None
+    target, drafter = tiny_target(), build_tiny_drafter(num_hidden_layers=3, block_size=4)
+    shallow = remove_layers(drafter, [0])
+    full, pruned = timing.measure_drafters(target, [drafter, shallow], DecodeConfig(packed_budget=16))
+    draft, packed = PINNED_TEST_TIMES["draft"], PINNED_TEST_TIMES["packed"]
+    assert full.draft_ms == pytest.approx(draft["fixed_ms"] + 3 * draft["per_layer_ms"])
+    assert pruned.packed_ms == pytest.approx(packed["fixed_ms"] + 2 * packed["per_layer_ms"])
+    assert (full.ar_ms, full.contention, full.draft_tokens, full.packed_tokens) == (10.0, 0.25, 5, 4 + 3 * 5)
+    assert timing.drafter_pass_ms(drafter, 16) == (full.draft_ms, full.packed_ms)
+    assert timing.drafter_layer_costs(drafter, 16, target=target) == (LayerCost(**draft), LayerCost(**packed))
+
+
+@pytest.mark.measured_times
+def test_pinned_pass_times_file_errors_name_the_file(tmp_path, monkeypatch):
+    from decode import timing
+    from models.errors import ConfigError
+
+    assert timing.pinned_times() is None  # measured_times: nothing pinned
+    file = tmp_path / "times.json"
+    monkeypatch.setenv(timing.PINNED_TIMES_ENV, str(file))
+    with pytest.raises(ConfigError, match="not a readable JSON file"):
+        timing.pinned_times()
+    file.write_text('{"ar_ms": 10}')
+    with pytest.raises(ConfigError, match=r"times.json is not a pinned pass-times record"):
+        timing.pinned_times()
+    file.write_text('{"ar_ms": 10, "per_token_ms": 1, "contention": 2, "draft": {"fixed_ms": 1, "per_layer_ms": 1},'
+                    ' "packed": {"fixed_ms": 1, "per_layer_ms": 1}}')
+    with pytest.raises(ConfigError, match="contention outside"):
+        timing.pinned_times()

@@ -262,6 +262,7 @@ def test_sampling_keeps_probabilities_on_the_device_and_is_reproducible(device):
         assert runs[0].output_ids == runs[1].output_ids and len(runs[0].output_ids) == 20
 
 
+@pytest.mark.measured_times
 @pytest.mark.parametrize("device", DEVICES)
 def test_pass_times_on_the_device(device):
     from decode.timing import elapsed_ms, measure_pass_times

@@ -2,6 +2,7 @@
 a run; the mode follows WANDB_MODE and credentials; the saved dashboard's panels build offline."""
 
 import json
+import os
 import sys
 import time
 
@@ -46,7 +47,7 @@ def run_args(root, out, *extra):
             "--heal-min-drop", "0", "--lora-rank", "2", "--lora-alpha", "4", *extra]
 
 
-def offline_run(folder, wait_s: float = 20.0):
+def offline_run(folder, wait_s: float = 60.0):
     """The one offline run log under `folder` and its contents, once its writer has recorded the run."""
     logs = list(folder.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(logs) == 1, logs
@@ -219,3 +220,59 @@ def test_importing_the_cli_stays_cheap():
             "print([m for m in ('torch', 'optuna', 'wandb', 'wandb_workspaces') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+
+WANDB_KEY_MARKER = "key-marker-" + "7d2b" * 8
+PASSWORD_MARKER = "pw-marker-5f3c9a1e"
+
+
+def sweep_leaks(pair_dirs, tmp_path, monkeypatch, capfd, storage: str) -> dict[str, list[str]]:
+    """Run a one-trial sweep on `storage` with W&B offline and WANDB_KEY_MARKER as the API key; return, per
+    marker, the files under tmp_path (the sweep's output, its trial's run, W&B's files, the cache) and the
+    printed streams that hold it."""
+    monkeypatch.setenv("WANDB_API_KEY", WANDB_KEY_MARKER)  # the mode stays offline (WANDB_MODE), the key at hand
+    space = tmp_path / "space.toml"
+    space.write_text("[fixed]\nlayers_to_remove = 1\nstop_on_speedup = false\nheal_steps = 1\nlora_rank = 2\n")
+    out = tmp_path / "sweep"
+    assert main(["sweep", "--study", f"secret-{tmp_path.name}", "--out", str(out), "--n-trials", "1",
+                 "--storage", storage, "--drafter", str(pair_dirs / "drafter"), "--target", str(pair_dirs / "target"),
+                 "--prompts", str(pair_dirs / "prompts.jsonl"), "--eval-prompts", str(pair_dirs / "prompts.jsonl"),
+                 "--space", str(space), "--max-new-tokens", "12", "--retention-floor", "0.05",
+                 "--heal-data", str(pair_dirs / "heal"), "--cache-dir", str(tmp_path / "cache"), "--json", "-"]) == 0
+    offline_run(out / "trial-0000")  # W&B's writer has finished the run's files
+    printed = capfd.readouterr()
+    written = [path for path in tmp_path.rglob("*") if path.is_file() and not path.is_symlink()]
+    assert (out / "trial-0000" / "state.json").is_file() and any(path.suffix == ".wandb" for path in written)
+    return {marker: [str(path) for path in written if marker.encode() in path.read_bytes()] +
+            [name for name, text in (("stdout", printed.out), ("stderr", printed.err)) if marker in text]
+            for marker in (WANDB_KEY_MARKER, PASSWORD_MARKER)}
+
+
+def test_no_wandb_key_reaches_any_file_a_sweep_writes(pair_dirs, tmp_path, monkeypatch, capfd):
+    leaks = sweep_leaks(pair_dirs, tmp_path, monkeypatch, capfd, f"sqlite:///{tmp_path}/study.db")
+    assert leaks == {WANDB_KEY_MARKER: [], PASSWORD_MARKER: []}
+
+
+def test_no_storage_password_reaches_any_file_a_sweep_writes(pair_dirs, tmp_path, monkeypatch, capfd):
+    """On the CI PostgreSQL (D3D_TEST_POSTGRES_URL, a superuser's URL): a role whose password is a marker."""
+    url = os.environ.get("D3D_TEST_POSTGRES_URL")
+    if not url:
+        pytest.skip("D3D_TEST_POSTGRES_URL is not set (.ci/run starts a PostgreSQL server and sets it)")
+    import sqlalchemy
+
+    role = "d3d_secret_test"
+    try:
+        engine = sqlalchemy.create_engine(url, connect_args={"connect_timeout": 5}, isolation_level="AUTOCOMMIT")
+        with engine.connect() as connection:
+            exists = connection.execute(sqlalchemy.text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": role})
+            verb = "ALTER" if exists.first() else "CREATE"
+            connection.execute(sqlalchemy.text(f"{verb} ROLE {role} LOGIN PASSWORD '{PASSWORD_MARKER}'"))
+            connection.execute(sqlalchemy.text(f"GRANT ALL ON SCHEMA public TO {role}"))
+            connection.execute(sqlalchemy.text(f"GRANT ALL ON ALL TABLES IN SCHEMA public TO {role}"))
+            connection.execute(sqlalchemy.text(f"GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO {role}"))
+    except sqlalchemy.exc.OperationalError as exc:
+        pytest.skip(f"the PostgreSQL server at D3D_TEST_POSTGRES_URL is unreachable: {str(exc).splitlines()[0]}")
+    marked = sqlalchemy.engine.make_url(url).set(username=role, password=PASSWORD_MARKER)
+    leaks = sweep_leaks(pair_dirs, tmp_path, monkeypatch, capfd, marked.render_as_string(hide_password=False))
+    assert leaks == {WANDB_KEY_MARKER: [], PASSWORD_MARKER: []}
