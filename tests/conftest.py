@@ -8,6 +8,8 @@ head_dim 8) so that a swapped axis fails loudly instead of broadcasting. Ids 0..
 import contextlib
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,7 @@ os.environ["WANDB_MODE"] = "disabled"
 # own whose download folders link to these (see `isolated_cache`).
 USER_CACHE = default_cache_dir()
 SHARED_CACHE_FOLDERS = ("targets", "wheels", "data")
+_SUITE_ROOT = pytest.StashKey[Path]()
 
 # Pass times every test decides on unless it is about timing (marked `measured_times`): the verify width,
 # candidate count, gate and stop rules then come out the same on any machine and under any load
@@ -41,20 +44,47 @@ PINNED_TEST_TIMES = {
 }
 
 
+def linked_cache(folder: Path) -> Path:
+    """A fresh cache folder whose download folders link to the user's cache; returns it."""
+    folder.mkdir(parents=True)
+    for name in SHARED_CACHE_FOLDERS:
+        shared = USER_CACHE / name
+        shared.mkdir(parents=True, exist_ok=True)
+        (folder / name).symlink_to(shared, target_is_directory=True)
+    return folder
+
+
 def pytest_configure(config):
+    """Before any fixture of any scope: pinned pass times and a session cache of the suite's own, so that
+    module- and session-scoped fixtures (reference runs) never measure or read the user's cache either."""
+    from decode.timing import PINNED_TIMES_ENV
+
     config.addinivalue_line("markers", "measured_times: the test times real passes (no pinned pass times)")
+    root = Path(tempfile.mkdtemp(prefix="d3d-prune-tests-"))
+    config.stash[_SUITE_ROOT] = root
+    pinned = root / "pass-times.json"
+    pinned.write_text(json.dumps(PINNED_TEST_TIMES))
+    os.environ[PINNED_TIMES_ENV] = str(pinned)
+    os.environ[CACHE_ENV] = str(linked_cache(root / "session-cache"))
+
+
+def pytest_unconfigure(config):
+    root = config.stash.get(_SUITE_ROOT, None)
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
-def pinned_times_file(tmp_path_factory) -> Path:
-    file = tmp_path_factory.mktemp("pinned") / "pass-times.json"
-    file.write_text(json.dumps(PINNED_TEST_TIMES))
-    return file
+def pinned_times_file() -> Path:
+    from decode.timing import PINNED_TIMES_ENV
+
+    return Path(os.environ[PINNED_TIMES_ENV])
 
 
 @pytest.fixture(autouse=True)
-def isolated_cache(request, tmp_path_factory, monkeypatch, pinned_times_file):
-    """Every test gets its own cache folder ($D3D_PRUNE_CACHE) and pinned pass times.
+def isolated_cache(request, tmp_path_factory, monkeypatch):
+    """Every test gets its own cache folder ($D3D_PRUNE_CACHE); pass times stay pinned unless the test is
+    marked measured_times.
 
     Pass times, trajectories, timings and scores a test writes land in its own folder, so no record from an
     earlier run (one measured under load, say) decides anything and the user's cache is never written; the
@@ -62,16 +92,10 @@ def isolated_cache(request, tmp_path_factory, monkeypatch, pinned_times_file):
     """
     from decode.timing import PINNED_TIMES_ENV
 
-    cache = tmp_path_factory.mktemp("cache")
-    for name in SHARED_CACHE_FOLDERS:
-        shared = USER_CACHE / name
-        shared.mkdir(parents=True, exist_ok=True)
-        (cache / name).symlink_to(shared, target_is_directory=True)
+    cache = linked_cache(tmp_path_factory.mktemp("cache") / "d3d-prune")
     monkeypatch.setenv(CACHE_ENV, str(cache))
     if request.node.get_closest_marker("measured_times"):
         monkeypatch.delenv(PINNED_TIMES_ENV, raising=False)
-    else:
-        monkeypatch.setenv(PINNED_TIMES_ENV, str(pinned_times_file))
     return cache
 
 

@@ -5,6 +5,7 @@ import json
 import os
 import sys
 import time
+import uuid
 
 import pytest
 
@@ -235,7 +236,7 @@ def sweep_leaks(pair_dirs, tmp_path, monkeypatch, capfd, storage: str) -> dict[s
     space = tmp_path / "space.toml"
     space.write_text("[fixed]\nlayers_to_remove = 1\nstop_on_speedup = false\nheal_steps = 1\nlora_rank = 2\n")
     out = tmp_path / "sweep"
-    assert main(["sweep", "--study", f"secret-{tmp_path.name}", "--out", str(out), "--n-trials", "1",
+    assert main(["sweep", "--study", f"secret-{uuid.uuid4().hex[:8]}", "--out", str(out), "--n-trials", "1",
                  "--storage", storage, "--drafter", str(pair_dirs / "drafter"), "--target", str(pair_dirs / "target"),
                  "--prompts", str(pair_dirs / "prompts.jsonl"), "--eval-prompts", str(pair_dirs / "prompts.jsonl"),
                  "--space", str(space), "--max-new-tokens", "12", "--retention-floor", "0.05",
