@@ -22,6 +22,7 @@ from ._common import (
     add_tree_arg,
     add_model_args,
     decode_config,
+    drafter_keys,
     model_paths,
     quiet_libraries,
     resolve_device,
@@ -121,7 +122,7 @@ def load_generator(args):
     drafter_dir, target_path = model_paths(args)
     generator = Generator(drafter_dir, target_path, decoder=args.decoder, dtype=torch_dtype(args.dtype, device),
                           drafter_dtype=args.drafter_dtype, device=device, width="fixed",
-                          chat_template=not args.no_chat_template)
+                          chat_template=not args.no_chat_template, drafter_keys=drafter_keys(args, drafter_dir))
     if args.decoder != "ar":  # the width policy comes from the pass times, measured once per pair and cached
         generator.config = decode_config(args, generator.pair)[0]
     return generator

@@ -5,7 +5,7 @@ The settings' defaults are `prune.config.FINISHING_HEAL`; docs/design.md (Healin
 """
 
 from . import _types
-from ._common import DTYPES, add_command, add_debug
+from ._common import DTYPES, add_command, add_debug, add_drafter_key_args, add_max_shard_size_arg
 
 EXAMPLES = """examples:
   prune heal pruned/final pruned-healed                       (a run on the demo pair: teacher and data known)
@@ -55,6 +55,8 @@ def add_parser(subparsers) -> None:
                         help="seeds the adapter, batch order and anchors")
     parser.add_argument("--dtype", choices=("source", *DTYPES), default="source",
                         help="dtype of the exported weights; source: the dtype SOURCE's weights are stored in")
+    add_max_shard_size_arg(parser)
+    add_drafter_key_args(parser)
     parser.add_argument("--threads", type=_types.non_negative_int, default=0,
                         help="torch CPU threads (0: torch's default)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
@@ -76,7 +78,7 @@ def run(args) -> int:
     from prune.export import resolve_export_dtype
     from prune.heal import heal_folder
 
-    from ._common import quiet_libraries, write_json
+    from ._common import drafter_keys, quiet_libraries, write_json
     from ._heal import describe, heal_data, load_heal_examples
 
     quiet_libraries()
@@ -95,7 +97,8 @@ def run(args) -> int:
     config.validate()
     dtype = resolve_export_dtype(args.dtype, args.source)
     record = heal_folder(args.source, args.destination, teacher, examples, config, describe(*chosen), dtype=dtype,
-                         overwrite=args.overwrite, progress=not args.no_progress and args.json != "-")
+                         overwrite=args.overwrite, progress=not args.no_progress and args.json != "-",
+                         drafter_keys=drafter_keys(args), max_shard_size=args.max_shard_size)
     write_json({"destination": args.destination, **record}, args.json)
     if args.json != "-":
         print(args.destination)
