@@ -269,7 +269,7 @@ def test_a_flag_fills_a_missing_key_and_never_overrides_one(sharded, capsys):
 
 def test_bench_block_size_fills_a_missing_block_size_and_otherwise_caps_the_verify_width(sharded, drafters):
     from prune.cli import build_parser
-    from prune.commands._common import drafter_keys
+    from prune.commands._checkpoint_args import drafter_keys
 
     lacking = sharded
     edit_config(lacking, lambda c: c.pop("block_size"))

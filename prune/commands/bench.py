@@ -10,6 +10,7 @@ from decode.registry import BASELINE, SPECULATIVE, TARGET, check_decoder_names, 
 from models.errors import ConfigError
 
 from . import _types
+from ._checkpoint_args import drafter_keys
 from ._common import (
     DECODE,
     add_command,
@@ -22,7 +23,6 @@ from ._common import (
     cache_dir,
     decode_configs,
     defaults,
-    drafter_keys,
     drafter_path,
     load_pair_and_prompts,
     model_paths,

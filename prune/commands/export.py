@@ -2,7 +2,8 @@
 optionally without named layers (a run's choice applied to another copy of the drafter, or a hand-picked set)."""
 
 from . import _types
-from ._common import DTYPES, add_command, add_debug, add_drafter_key_args, add_max_shard_size_arg
+from ._checkpoint_args import add_drafter_key_args, add_max_shard_size_arg, drafter_keys
+from ._common import DTYPES, add_command, add_debug
 
 
 def add_parser(subparsers) -> None:
@@ -48,7 +49,7 @@ def run(args) -> int:
     from models.surgery import current_indices, remove_layers
     from prune.export import export_step, read_report, resolve_export_dtype
 
-    from ._common import drafter_keys, quiet_libraries, write_json
+    from ._common import quiet_libraries, write_json
 
     quiet_libraries()
     ensure_writable_output(args.destination, args.overwrite)  # before the weights load

@@ -13,6 +13,7 @@ from decode.config import GATE_MODES
 from decode.registry import OURS, SPECULATIVE, TARGET, describe
 
 from . import _types
+from ._checkpoint_args import drafter_keys
 from ._common import (
     DECODE,
     add_command,
@@ -22,7 +23,6 @@ from ._common import (
     add_tree_arg,
     add_model_args,
     decode_config,
-    drafter_keys,
     model_paths,
     quiet_libraries,
     resolve_device,

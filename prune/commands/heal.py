@@ -5,7 +5,8 @@ The settings' defaults are `prune.config.FINISHING_HEAL`; docs/design.md (Healin
 """
 
 from . import _types
-from ._common import DTYPES, add_command, add_debug, add_drafter_key_args, add_max_shard_size_arg
+from ._checkpoint_args import add_drafter_key_args, add_max_shard_size_arg, drafter_keys
+from ._common import DTYPES, add_command, add_debug
 
 EXAMPLES = """examples:
   prune heal pruned/final pruned-healed                       (a run on the demo pair: teacher and data known)
@@ -78,7 +79,7 @@ def run(args) -> int:
     from prune.export import resolve_export_dtype
     from prune.heal import heal_folder
 
-    from ._common import drafter_keys, quiet_libraries, write_json
+    from ._common import quiet_libraries, write_json
     from ._heal import describe, heal_data, load_heal_examples
 
     quiet_libraries()

@@ -9,13 +9,13 @@ from prune.config import HealConfig, RunConfig, ScoreConfig
 from prune.criteria import CRITERIA, describe
 
 from . import _types
+from ._checkpoint_args import add_max_shard_size_arg
 from ._common import (
     add_command,
     add_debug,
     add_decode_args,
     add_screen_args,
     add_export_dtype_arg,
-    add_max_shard_size_arg,
     add_model_args,
     add_prompt_args,
     add_tracking_args,

@@ -1,7 +1,8 @@
 """`prune validate`: check a drafter checkpoint (and optionally its pairing with a target) without decoding."""
 
 from . import _types
-from ._common import add_command, add_debug, add_drafter_key_args, drafter_keys, quiet_libraries, write_json
+from ._checkpoint_args import add_drafter_key_args, drafter_keys
+from ._common import add_command, add_debug, quiet_libraries, write_json
 
 
 def add_parser(subparsers) -> None:
