@@ -93,6 +93,8 @@ class Generator:
             (decode/tree.py; 0: chains).
         chat_template: run text prompts through the tokenizer's chat template.
         cache_dir: where the demo target is cached (None: $D3D_PRUNE_CACHE or $XDG_CACHE_HOME/d3d-prune).
+        drafter_keys: {"block_size": B, "mask_token_id": ID} for a drafter whose config.json lacks them
+            (models.drafter_config.with_drafter_keys).
 
     Attributes:
         pair: the loaded models.Pair (drafter, target, tokenizer, stop ids).
@@ -103,7 +105,8 @@ class Generator:
     def __init__(self, drafter=None, target=None, *, tokenizer=None, decoder: str = "async",
                  dtype: str | torch.dtype = "auto", drafter_dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "cpu", width: str = "adaptive", gate: str = "adaptive",
-                 tree_branches: int = DecodeConfig.tree_branches, chat_template: bool = True, cache_dir=None):
+                 tree_branches: int = DecodeConfig.tree_branches, chat_template: bool = True, cache_dir=None,
+                 drafter_keys: dict | None = None):
         if decoder not in DECODERS:
             raise ConfigError(f"unknown decoder {decoder!r}; choose from {', '.join(DECODERS)}")
         if width not in WIDTH_MODES:
@@ -112,7 +115,8 @@ class Generator:
             raise ConfigError(f"unknown gate {gate!r}; choose {' or '.join(GATE_MODES)}")
         if tree_branches < 0:
             raise ConfigError(f"tree_branches must be >= 0 (got {tree_branches}); 0 verifies chains")
-        self.pair = _load_pair(drafter, target, tokenizer, dtype, drafter_dtype, torch.device(device), cache_dir)
+        self.pair = _load_pair(drafter, target, tokenizer, dtype, drafter_dtype, torch.device(device), cache_dir,
+                               drafter_keys)
         self.decoder = decoder
         self.chat_template = chat_template
         self.config = DecodeConfig(stop_ids=self.pair.stop_ids, tree_branches=tree_branches)
@@ -242,13 +246,14 @@ def _record(prompt) -> dict:
     raise DataError(f"a prompt is text, a list of chat messages or a list of token ids, not {type(prompt).__name__}")
 
 
-def _load_pair(drafter, target, tokenizer, dtype, drafter_dtype, device: torch.device, cache_dir) -> Pair:
+def _load_pair(drafter, target, tokenizer, dtype, drafter_dtype, device: torch.device, cache_dir,
+               drafter_keys=None) -> Pair:
     """The pair of the Generator's arguments (see its docstring)."""
     drafter = drafter if drafter is not None else demo_drafter_dir()
     if isinstance(target, torch.nn.Module):
-        return pair_with_target(drafter, target, tokenizer, drafter_dtype)
+        return pair_with_target(drafter, target, tokenizer, drafter_dtype, drafter_keys)
     target = target if target is not None else resolve_demo_target(cache_dir)
-    pair = load_pair(drafter, target, resolve_dtype(dtype, device), device, drafter_dtype)
+    pair = load_pair(drafter, target, resolve_dtype(dtype, device), device, drafter_dtype, drafter_keys)
     if tokenizer is not None:
         pair.tokenizer = tokenizer
     return pair

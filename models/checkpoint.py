@@ -7,14 +7,14 @@ system) and renamed into place only when complete: a killed save leaves at most 
 a full disk is one DiskFullError naming the path and the fix. What is renamed into place has
 the permissions the user's umask gives a new file or folder, whichever temporary-file mechanism wrote
 it (mkstemp, and libraries that write through it, make 0600 files). Loading reads safetensors only
-(never pickle) and never needs `trust_remote_code`.
+(never pickle) and never needs `trust_remote_code`; where a folder keeps its weight files (one file or
+shards) is models/shards.py.
 """
 
 import contextlib
 import errno
 import hashlib
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -235,30 +235,7 @@ def read_safetensors_shapes(file: str | os.PathLike) -> dict[str, tuple[int, ...
     return shapes
 
 
-def stored_dtype(folder: str | os.PathLike) -> str:
-    """The floating-point dtype a checkpoint's weights are stored in, as a torch name ("bfloat16", ...).
-
-    Read from the safetensors header, i.e. what is on disk whatever config.json says; when tensors differ
-    (e.g. float32 norms in a bfloat16 model), the dtype holding the most elements.
-    """
-    file = Path(folder) / WEIGHTS_NAME
-    if not file.is_file():
-        raise CheckpointError(f"{folder} has no {WEIGHTS_NAME}; only safetensors checkpoints are supported")
-    try:
-        header = _safetensors_header(file)[1]
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{file} is not a valid safetensors file ({exc}); re-export or re-download it") from None
-    elements: dict[str, int] = {}
-    for name, meta in header.items():
-        if name != "__metadata__" and meta["dtype"] in SAFETENSORS_FLOAT_DTYPES:
-            dtype = SAFETENSORS_FLOAT_DTYPES[meta["dtype"]]
-            elements[dtype] = elements.get(dtype, 0) + math.prod(meta["shape"])
-    if not elements:
-        raise CheckpointError(f"{file} holds no floating-point tensor; it is not a model checkpoint")
-    return max(elements, key=elements.get)
-
-
-def _safetensors_header(file: Path) -> tuple[int, dict]:
+def safetensors_header(file: Path) -> tuple[int, dict]:
     """The header of a safetensors file: its length in bytes and {tensor name: {dtype, shape, data_offsets}}."""
     with open(file, "rb") as handle:
         header_len = int.from_bytes(handle.read(8), "little")
@@ -266,7 +243,7 @@ def _safetensors_header(file: Path) -> tuple[int, dict]:
 
 
 def check_data_length(file: Path) -> None:
-    header_len, header = _safetensors_header(file)
+    header_len, header = safetensors_header(file)
     end = max((meta["data_offsets"][1] for name, meta in header.items() if name != "__metadata__"), default=0)
     actual = file.stat().st_size - 8 - header_len
     if actual != end:

@@ -6,7 +6,9 @@ Extra config keys (all plain JSON, ignored by anything that just loads Qwen3):
     draft_vocab_size        ids >= this are padding rows and are never proposed (default: vocab_size).
     original_layer_indices  0-based indices, in the unpruned drafter, of the layers this one keeps.
 
-The rules these keys obey (and their validation) are models/drafter_config.py.
+The rules these keys obey, their validation and where a checkpoint may keep them (top level or a nested block,
+with values given for a checkpoint that lacks them: `drafter_keys`) are models/drafter_config.py; where it
+keeps its weights (one file or shards) is models/shards.py.
 """
 
 import copy
@@ -17,16 +19,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from .checkpoint import (
-    WEIGHTS_NAME,
-    atomic_folder,
-    copy_tokenizer_files,
-    read_config_json,
-    read_safetensors_shapes,
-)
-from .drafter_config import validate_config
+from .checkpoint import atomic_folder, copy_tokenizer_files, read_config_json
+from .drafter_config import validate_config, with_drafter_keys
 from .errors import CheckpointError, ConfigError
 from .provenance import FILE as PROVENANCE_FILE
+from .shards import DEFAULT_MAX_SHARD_SIZE, parse_size, read_weights, weights_label
 from .surgery import remove_layers
 
 
@@ -133,13 +130,20 @@ def expected_weight_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def validate_checkpoint(folder: str | os.PathLike) -> Qwen3Config:
-    """Check a drafter folder without loading weights: config keys, file integrity, tensor names and shapes."""
+def validate_checkpoint(folder: str | os.PathLike, drafter_keys: dict | None = None) -> Qwen3Config:
+    """Check a drafter folder without loading weights: config keys, the integrity of every weight file (one
+    file or shards and their index, models/shards.py), tensor names and shapes; returns its config with the
+    drafter keys at the top level.
+
+    `drafter_keys`: {"block_size": B, "mask_token_id": ID} for a checkpoint whose config.json lacks them
+    (models.drafter_config.with_drafter_keys)."""
     folder = Path(folder)
-    raw = read_config_json(folder)
-    validate_config(raw, where=f"{folder}/config.json")
+    where = f"{folder}/config.json"
+    raw = with_drafter_keys(read_config_json(folder), drafter_keys, where)
+    validate_config(raw, where=where)
     config = Qwen3Config.from_dict(raw)
-    found = read_safetensors_shapes(folder / WEIGHTS_NAME)
+    held = read_weights(folder)
+    found = {name: shape for name, (shape, _) in held.items()}
     expected = expected_weight_shapes(config)
     found.pop("lm_head.weight", None) if config.tie_word_embeddings else None
     missing = sorted(set(expected) - set(found))
@@ -153,12 +157,12 @@ def validate_checkpoint(folder: str | os.PathLike) -> Qwen3Config:
             )
             if part
         )
-        raise CheckpointError(f"{folder}/{WEIGHTS_NAME} does not match its config.json: {detail}")
+        raise CheckpointError(f"{weights_label(folder)} does not match its config.json: {detail}")
     wrong = [name for name in expected if found[name] != expected[name]]
     if wrong:
         name = wrong[0]
         raise CheckpointError(
-            f"{folder}/{WEIGHTS_NAME}: tensor {name} has shape {list(found[name])}, config says "
+            f"{held[name][1]}: tensor {name} has shape {list(found[name])}, config says "
             f"{list(expected[name])} ({len(wrong)} tensors differ)"
         )
     return config
@@ -170,12 +174,20 @@ def _names(names: list[str], limit: int = 3) -> str:
 
 
 def load_drafter(
-    folder: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    folder: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    drafter_keys: dict | None = None,
 ) -> Qwen3ForCausalLM:
-    """Validate and load a drafter folder (safetensors only) in eval mode with SDPA attention."""
-    validate_checkpoint(folder)
+    """Validate and load a drafter folder (safetensors: one file or shards) in eval mode with SDPA attention.
+
+    The weights stream in file by file into the model (transformers' loader), so loading holds one copy of
+    them; the config is the validated one, with the drafter keys at its top level (`drafter_keys`: as in
+    validate_checkpoint)."""
+    config = validate_checkpoint(folder, drafter_keys)
     model = AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=dtype, attn_implementation="sdpa", use_safetensors=True, trust_remote_code=False
+        str(folder), config=config, dtype=dtype, attn_implementation="sdpa", use_safetensors=True,
+        trust_remote_code=False,
     )
     return model.to(device).eval()
 
@@ -188,8 +200,10 @@ def save_drafter(
     dtype: torch.dtype | None = None,
     extra_files: dict[str, str] | None = None,
     before_commit=None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
-    """Write a drafter folder atomically: config.json, model.safetensors, tokenizer files, extra text files.
+    """Write a drafter folder atomically: config.json, the weights (model.safetensors, or shards and their index
+    above `max_shard_size`, models/shards.py), tokenizer files, extra text files.
 
     Args:
         tokenizer_source: a folder whose tokenizer files (and record of training prompts,
@@ -197,13 +211,15 @@ def save_drafter(
         dtype: cast the saved weights (e.g. torch.bfloat16); the in-memory model is not changed.
         extra_files: `{file name: text}` written into the folder before it is renamed into place.
         before_commit: optional callable(temporary folder) run last, e.g. to record hashes of the files.
+        max_shard_size: bytes, or a size such as "80MB", of the largest weight file; weights above it are
+            written as the hub's shards (model-0000i-of-0000N.safetensors and model.safetensors.index.json).
     """
     validate_config(model.config)
     with atomic_folder(folder, overwrite=overwrite) as tmp:
         to_save = model
         if dtype is not None and dtype != next(model.parameters()).dtype:
             to_save = copy.deepcopy(model).to(dtype)
-        to_save.save_pretrained(str(tmp), safe_serialization=True)
+        to_save.save_pretrained(str(tmp), safe_serialization=True, max_shard_size=parse_size(max_shard_size))
         if tokenizer_source is not None:
             copy_tokenizer_files(tokenizer_source, tmp)
             # What the source was trained on stays true of its pruned and re-exported copies.

@@ -33,41 +33,43 @@ def load_pair(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     drafter_compute: str | torch.dtype | None = "auto",
+    drafter_keys: dict | None = None,
 ) -> Pair:
     """Validate both checkpoints and their compatibility before loading any weights, then load them.
 
     `dtype` is the target's compute dtype; `drafter_compute` the drafter's (models.precision.drafter_dtype:
-    "auto" is float32 on a CPU and `dtype` elsewhere)."""
-    drafter_config = validate_checkpoint(drafter_dir)
+    "auto" is float32 on a CPU and `dtype` elsewhere); `drafter_keys` as in models.drafter.validate_checkpoint."""
+    drafter_config = validate_checkpoint(drafter_dir, drafter_keys)
     target_config = target_config_of(target_path)
     tokenizer = load_tokenizer(target_path)
     drafter_tokenizer = load_tokenizer(drafter_dir)
     check_pair(drafter_config, target_config, drafter_tokenizer, tokenizer)
     target = load_target(target_path, dtype, device)
     return _with_drafter(target, drafter_dir, tokenizer, drafter_tokenizer,
-                         drafter_dtype(drafter_compute, dtype, torch.device(device)), device)
+                         drafter_dtype(drafter_compute, dtype, torch.device(device)), device, drafter_keys)
 
 
 def pair_with_target(drafter_dir: str | os.PathLike, target: torch.nn.Module, tokenizer=None,
-                     drafter_compute: str | torch.dtype | None = "auto") -> Pair:
+                     drafter_compute: str | torch.dtype | None = "auto", drafter_keys: dict | None = None) -> Pair:
     """A pair around an already-loaded target (set to eval mode); the drafter loads on its device, in
     `drafter_compute` as `load_pair` reads it (auto: float32 on a CPU, the target's dtype elsewhere).
 
     Args:
         tokenizer: the target's tokenizer; None uses the drafter folder's tokenizer files (exported drafters
             carry those of their target).
+        drafter_keys: as in models.drafter.validate_checkpoint.
     """
-    drafter_config = validate_checkpoint(drafter_dir)
+    drafter_config = validate_checkpoint(drafter_dir, drafter_keys)
     drafter_tokenizer = load_tokenizer(drafter_dir)
     check_pair(drafter_config, target.config, drafter_tokenizer, tokenizer)
     weight = next(target.parameters())
     return _with_drafter(target.eval(), drafter_dir, tokenizer, drafter_tokenizer,
-                         drafter_dtype(drafter_compute, weight.dtype, weight.device), weight.device)
+                         drafter_dtype(drafter_compute, weight.dtype, weight.device), weight.device, drafter_keys)
 
 
-def _with_drafter(target, drafter_dir, tokenizer, drafter_tokenizer, dtype, device) -> Pair:
+def _with_drafter(target, drafter_dir, tokenizer, drafter_tokenizer, dtype, device, drafter_keys) -> Pair:
     """Load the drafter of a checked pair and assemble the Pair (the target's tokenizer preferred)."""
-    drafter = load_drafter(drafter_dir, dtype, device)
+    drafter = load_drafter(drafter_dir, dtype, device, drafter_keys)
     max_positions = min(
         getattr(target.config, "max_position_embeddings", 1 << 30),
         getattr(drafter.config, "max_position_embeddings", 1 << 30),

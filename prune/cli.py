@@ -16,8 +16,10 @@ from .commands._common import Parser
 DESCRIPTION = """\
 Prune block-diffusion speculative drafters (D3D-style) by their impact on acceptance length.
 
-Commands measure and transform a drafter/target pair: a drafter is a Qwen3 checkpoint folder whose
-config.json carries block_size and mask_token_id; a target is any local causal-LM folder or .gguf file.
+Commands measure and transform a drafter/target pair: a drafter is a Qwen3 checkpoint folder (one
+model.safetensors or sharded) whose config.json carries block_size and mask_token_id (at the top level or in
+a block such as dflash_config; --block-size / --mask-token-id give them otherwise); a target is any local
+causal-LM folder or .gguf file.
 """
 
 

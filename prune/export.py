@@ -1,10 +1,10 @@
 """Export one pruning step as a self-describing drafter folder (docs/design.md, Progressive pruning).
 
 The folder is written atomically (models.checkpoint.atomic_folder through save_drafter): safetensors with no
-tensor of a removed layer, a config whose `original_layer_indices` name the kept layers (0-based, in the
+tensor of a removed layer (one model.safetensors, or the hub's shards and index above a size, models/shards.py), a config whose `original_layer_indices` name the kept layers (0-based, in the
 unpruned drafter), the tokenizer files and `generation_config.json` of the source, a model card with the
 pruning history and the dtype of the weights, and `prune_report.json` holding the settings, the history, the
-dtype and the sha256 of every other file. Exports keep the dtype the source drafter is stored in unless told
+dtype and the sha256 of every other file (every shard). Exports keep the dtype the source drafter is stored in unless told
 otherwise (`resolve_export_dtype`).
 """
 
@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from models.checkpoint import folder_hashes, stored_dtype
+from models.checkpoint import folder_hashes
 from models.drafter import save_drafter
+from models.shards import DEFAULT_MAX_SHARD_SIZE, stored_dtype
 from models.precision import dtype_name
 
 from . import __version__
@@ -85,7 +86,7 @@ def round_to_dtype(model, dtype: torch.dtype):
 
 
 def export_step(model, folder, source_dir, report: dict, history: list[dict], dtype: torch.dtype | None = None,
-                overwrite: bool = False) -> Path:
+                overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
     """Write `model` as a drafter folder with its model card and report; returns the folder.
 
     Args:
@@ -93,6 +94,7 @@ def export_step(model, folder, source_dir, report: dict, history: list[dict], dt
         report: JSON-ready settings and scores; the dtype and the file hashes are added ("dtype", "files").
         history: one dict per step (step, removed_original, layers, tau_before_heal, tau, retention, ...).
         dtype: the dtype of the saved weights (None: the model's own).
+        max_shard_size: the largest weight file (bytes or "80MB"); above it the weights are written as shards.
     """
     source_dir = Path(source_dir)
     stored = dtype_name(dtype or next(model.parameters()).dtype)
@@ -106,7 +108,7 @@ def export_step(model, folder, source_dir, report: dict, history: list[dict], dt
 
     return save_drafter(model, folder, tokenizer_source=source_dir, overwrite=overwrite, dtype=dtype,
                         extra_files={"README.md": model_card(history, str(source_dir), stored, str(folder))},
-                        before_commit=finish)
+                        before_commit=finish, max_shard_size=max_shard_size)
 
 
 def read_report(folder) -> tuple[dict, list[dict]]:

@@ -22,6 +22,7 @@ import torch
 
 from models.checkpoint import atomic_write_text, ensure_writable_output
 from models.drafter import load_drafter
+from models.shards import DEFAULT_MAX_SHARD_SIZE
 from models.errors import CheckpointError, ConfigError
 from models.faults import fault_point
 from prune.training.config import TrainConfig
@@ -117,17 +118,19 @@ def heal(model: torch.nn.Module, examples: list[Example], config: HealConfig, de
 
 
 def heal_folder(source, destination, teacher_dir, examples: list[Example], config: HealConfig, data: list[str],
-                dtype: torch.dtype | None = None, overwrite: bool = False, progress: bool = False) -> dict:
+                dtype: torch.dtype | None = None, overwrite: bool = False, progress: bool = False,
+                drafter_keys: dict | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> dict:
     """Heal the drafter folder `source` (distilled from the drafter folder `teacher_dir`) and export it to
     `destination` with `source`'s pruning history and a record of the heal; returns that record.
 
     The adapter's training state is kept in `checkpoint_folder(destination)` and the heal continues from it
     when rerun with the same source, teacher, data and settings (another combination is refused); the folder
-    is removed once the export is complete.
+    is removed once the export is complete. `drafter_keys`: the drafter keys of a source or teacher whose
+    config.json lacks them (models.drafter.load_drafter); `max_shard_size`: as in prune.export.export_step.
     """
     ensure_writable_output(destination, overwrite)
     source, teacher_dir = Path(source).resolve(), Path(teacher_dir).resolve()
-    model, teacher = load_drafter(source), load_drafter(teacher_dir)
+    model, teacher = load_drafter(source, drafter_keys=drafter_keys), load_drafter(teacher_dir, drafter_keys=drafter_keys)
     keys = ("vocab_size", "block_size", "mask_token_id", "hidden_size")
     differ = [k for k in keys if getattr(model.config, k, None) != getattr(teacher.config, k, None)]
     if differ:
@@ -153,7 +156,7 @@ def heal_folder(source, destination, teacher_dir, examples: list[Example], confi
     report["heal"] = record
     entry = {"step": "heal", "layers": healed.config.num_hidden_layers}
     export_step(healed, destination, source, report, [*steps, entry],
-                dtype=dtype or resolve_export_dtype(None, source), overwrite=overwrite)
+                dtype=dtype or resolve_export_dtype(None, source), overwrite=overwrite, max_shard_size=max_shard_size)
     shutil.rmtree(checkpoints)
     return record
 

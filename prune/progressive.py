@@ -26,6 +26,7 @@ from typing import Callable
 from models.checkpoint import atomic_symlink, ensure_writable_output
 from models.drafter import load_drafter
 from models.errors import CheckpointError, ConfigError
+from models.shards import DEFAULT_MAX_SHARD_SIZE
 from models.surgery import remove_layers
 
 from .cache import model_identity
@@ -105,13 +106,14 @@ class RunHooks:
 
 @dataclass
 class _Run:
-    """One run_pruning call: its inputs, folder, settings, resolved export dtype and hooks."""
+    """One run_pruning call: its inputs, folder, settings, resolved export dtype, hooks and largest weight file."""
 
     campaign: Campaign
     out: Path
     config: RunConfig
     dtype: object
     hooks: RunHooks
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
 
     def judge(self, model) -> Evaluation:
         """The async decoder's measurements of `model` on the prompts that judge steps: the check prompts, or
@@ -137,7 +139,8 @@ class _Run:
 
 
 def run_pruning(campaign: Campaign, out, config: RunConfig, resume: bool = False, timing: Timing | None = None,
-                export_dtype: str | None = None, hooks: RunHooks | None = None) -> RunState:
+                export_dtype: str | None = None, hooks: RunHooks | None = None,
+                max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> RunState:
     """Run (or resume) a pruning campaign into folder `out`; returns its final state (prune.state).
 
     Args:
@@ -149,13 +152,15 @@ def run_pruning(campaign: Campaign, out, config: RunConfig, resume: bool = False
         export_dtype: dtype of the exported steps ("float32", "bfloat16", "float16"); None or "source": the
             dtype `source_dir`'s weights are stored in. Steps are measured as rounded to it (round_to_dtype).
         hooks: log, per-step callback and progress bars (RunHooks; default: print, none, none).
+        max_shard_size: the largest weight file of an exported step (bytes or "80MB"); a heavier step is written
+            as shards (models/shards.py). Not a setting of the run: a resume may write its steps otherwise.
 
     A killed run loses at most the evaluation, heal or write it was doing: each scoring round keeps its layer
     evaluations in a journal (prune.journal), and every file is written atomically (models.checkpoint).
     """
     _check_campaign(campaign, config)
     run = _Run(campaign, Path(out), config, resolve_export_dtype(export_dtype, campaign.source_dir),
-               hooks or RunHooks())
+               hooks or RunHooks(), max_shard_size)
     state, current = _open_state(run, resume, timing)
     removed_total = len(state.removed_original())
     while state.stopped_by is None:
@@ -449,7 +454,8 @@ def _commit_step(run: _Run, state: RunState, healed, record: StepRecord) -> None
     export_step(healed, run.out / record.folder, run.campaign.source_dir,
                 {"settings": state.config, "source": state.source, "base": asdict(state.base),
                  "timing": state.timing.to_dict()},
-                [h.to_dict(scores=False) for h in history], dtype=run.dtype, overwrite=True)
+                [h.to_dict(scores=False) for h in history], dtype=run.dtype, overwrite=True,
+                max_shard_size=run.max_shard_size)
     state.history = history
     run.log(f"step {record.step}: removed original layers {record.removed_original}, {run.judged_on} tau "
             f"{record.tau:.3f} (retention {record.retention:.4f})")

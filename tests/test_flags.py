@@ -25,7 +25,8 @@ PAIR = ["--drafter", "{drafter}", "--target", "{target}"]
 RUN = ["--out", "{tmp}/run", *PAIR, "--prompts", "{prompts}"]
 
 # (command, arguments, exit code, a substring of the one line on stderr); a value that fails its type fails
-# while it is read, before argparse looks for the command's required arguments.
+# while it is read, before argparse looks for the command's required arguments (a drafter folder lacking the
+# drafter keys once every flag is read: the key flags may give them).
 CASES = [
     ("bench", ["--limit", "abc"], 2, "got 'abc'; give an integer >= 1"),
     ("bench", ["--temperature", "nan"], 2, "give a number >= 0"),
@@ -91,7 +92,7 @@ CASES = [
     ("train-drafter", ["--block-size", "65"], 2, "give an integer in 2..64"),
     ("train-drafter", ["--lr", "inf"], 2, "give a number > 0"),
     ("train-drafter", ["--device", "gpu"], 2, "give cpu, cuda or cuda:N"),
-    ("train-drafter", ["--init-from", "{target}"], 2, "is not a block-diffusion drafter"),
+    ("train-drafter", ["--data", "{data}", "--init-from", "{target}"], 2, "is not a block-diffusion drafter"),
     ("train-drafter", ["--data", "{data}"], 1, "--out is required"),
     ("train-drafter", ["--data", "{data}", "--out", "{tmp}/t", "--data-weights", "1", "2"], 1, "--data-weights needs"),
 ]
@@ -106,6 +107,7 @@ BAD = {
     _types.fraction: ("1.5", "give a fraction in [0, 1]"),
     _types.block_size: ("1", "give an integer in 2.."),
     _types.layer_indices: ("1,1", "give distinct layer indices >= 0"),
+    _types.size: ("80XB", "give a size such as 80MB"),
     _types.name: ("", "give a non-empty one"),
     _types.device: ("gpu", "give cpu, cuda or cuda:N"),
     _types.device_or_auto: ("gpu", "give cpu, cuda or cuda:N"),

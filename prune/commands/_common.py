@@ -13,6 +13,7 @@ from prune.config import ScoreConfig
 from prune.tracking import TrackingConfig, default_dir, drafter_tag, resolve_mode, tracker_for
 
 from . import _types
+from ._checkpoint_args import add_drafter_key_args, drafter_keys
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -39,10 +40,27 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line on stderr that points at --help (exit 2)."""
+    """An ArgumentParser whose usage errors are one line on stderr that points at --help (exit 2).
+
+    Once every flag is read, each drafter folder flag (type _types.drafter_dir) is checked to name a drafter:
+    its config.json has the drafter keys, or the command's --block-size / --mask-token-id give the missing
+    ones (add_drafter_key_args), which a type reading one value cannot see."""
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}; see {self.prog} --help\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            if action.type is not _types.drafter_dir:
+                continue
+            value = getattr(namespace, action.dest, None)
+            for folder in value if isinstance(value, list) else [value]:
+                problem = folder and _types.drafter_key_problem(folder, drafter_keys(namespace, folder),
+                                                                getattr(namespace, "drafter_key_flags", {}))
+                if problem:
+                    self.error(f"argument {argparse._get_action_name(action)}: {problem}")
+        return namespace, extras
 
 
 def add_command(subparsers, name: str, help: str, description: str):
@@ -53,7 +71,9 @@ def add_debug(parser) -> None:
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
 
 
-def add_model_args(parser, target: bool = True, several_drafters: bool = False) -> None:
+def add_model_args(parser, target: bool = True, several_drafters: bool = False, block_size: bool = True) -> None:
+    """--drafter (with the drafter key flags, add_drafter_key_args; `block_size` as there), --target, dtypes, device."""
+    add_drafter_key_args(parser, block_size)
     if several_drafters:
         parser.add_argument("--drafter", action="append", default=None, metavar="DIR", type=_types.drafter_dir,
                             help="drafter checkpoint folder; repeat to compare several drafters against one ar "
@@ -388,7 +408,7 @@ def load_pair_and_prompts(args):
     records, source = prompt_records(args)
     drafter_dir, target_path = model_paths(args)
     warn_training_overlap(drafter_dir, records, source)
-    pair = load_pair(drafter_dir, target_path, dtype, device, args.drafter_dtype)
+    pair = load_pair(drafter_dir, target_path, dtype, device, args.drafter_dtype, drafter_keys(args, drafter_dir))
     prompts = tokenize_records(records, pair.tokenizer, not args.no_chat_template)
     check_context(prompts, args.max_new_tokens, pair.drafter.config.block_size, pair.max_positions)
     return pair, prompts, drafter_dir, target_path, source

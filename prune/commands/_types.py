@@ -13,7 +13,7 @@ import math
 import re
 from pathlib import Path
 
-from models.drafter_config import MAX_BLOCK_SIZE, REQUIRED_KEYS
+from models.drafter_config import KEY_BLOCKS, MAX_BLOCK_SIZE, REQUIRED_KEYS, missing_keys
 
 CONFIG_NAME = "config.json"
 DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:\d+)?")
@@ -65,6 +65,17 @@ def layer_indices(text: str) -> tuple[int, ...]:
 def block_size(text: str) -> int:
     """Tokens of a draft block: 2..models.drafter_config.MAX_BLOCK_SIZE."""
     return _bounded(int, f"an integer in 2..{MAX_BLOCK_SIZE}", low=2, high=MAX_BLOCK_SIZE)(text)
+
+
+def size(text: str) -> int:
+    """Bytes: an integer, or a number with a unit ("80MB", "5GB", "1GiB"; models.shards.parse_size)."""
+    from models.errors import ConfigError
+    from models.shards import parse_size
+
+    try:
+        return parse_size(text)
+    except ConfigError:
+        _reject(f"got {text!r}; give a size such as 80MB, 5GB or 1GiB")
 
 
 def name(text: str) -> str:
@@ -159,16 +170,29 @@ def _config_of(path: Path, text: str) -> dict:
 
 
 def _is_drafter(config: dict) -> bool:
-    return all(config.get(key) is not None for key in REQUIRED_KEYS)
+    return not missing_keys(config)
 
 
 def drafter_dir(text: str) -> str:
-    """A drafter folder: its config.json carries block_size and mask_token_id (a target's does not)."""
-    path = _folder(text)
-    if not _is_drafter(_config_of(path, text)):
-        _reject(f"{text} is not a block-diffusion drafter (its {CONFIG_NAME} has no "
-                f"{' / '.join(REQUIRED_KEYS)}; a target model?); give a drafter folder, and a target as --target")
+    """A drafter folder: a model folder whose config.json carries block_size and mask_token_id (a target's does
+    not), at one of the places of models.drafter_config.KEY_BLOCKS, or whose missing keys the command's
+    --block-size / --mask-token-id give: that is checked once every flag is read (`drafter_key_problem`)."""
+    _config_of(_folder(text), text)
     return text
+
+
+def drafter_key_problem(text: str, given: dict, flags: dict) -> str | None:
+    """Why drafter folder `text` is no drafter, or None: a drafter key its config.json lacks and `given`
+    ({key: value}, from the command's flags) does not give; `flags` ({key: flag}) are the command's flags."""
+    lacking = [key for key in missing_keys(_config_of(Path(text), text)) if key not in given]
+    if not lacking:
+        return None
+    blocks = " or ".join(block for block in KEY_BLOCKS if block)
+    fix = "give a drafter folder, and a target as --target"
+    if all(key in flags for key in lacking):
+        fix += f"; or pass {' and '.join(flags[key] for key in lacking)} for a drafter whose {CONFIG_NAME} lacks them"
+    return (f"{text} is not a block-diffusion drafter (its {CONFIG_NAME} has no {' / '.join(lacking)}, at the top "
+            f"level or in {blocks}; a target model?); {fix}")
 
 
 def model_path(text: str) -> str:

@@ -10,6 +10,7 @@ from decode.registry import BASELINE, SPECULATIVE, TARGET, check_decoder_names, 
 from models.errors import ConfigError
 
 from . import _types
+from ._checkpoint_args import drafter_keys
 from ._common import (
     DECODE,
     add_command,
@@ -59,7 +60,7 @@ def add_parser(subparsers) -> None:
         "the same run: how much faster, at what share of its tau, and how much faster at equal tau."
         + EXAMPLES,
     )
-    add_model_args(parser, several_drafters=True)
+    add_model_args(parser, several_drafters=True, block_size=False)
     add_prompt_args(parser)
     parser.add_argument("--decoder", default="all", type=decoder_names, metavar="NAME[,NAME...]",
                         help=f"decoders to measure, comma-separated: {describe(TARGET, SPECULATIVE)}, "
@@ -72,7 +73,8 @@ def add_parser(subparsers) -> None:
                         help="assisted: a small causal LM folder or .gguf file with the target's tokenizer, the "
                         "draft model of transformers' assisted generation (default: none, no assisted row)")
     parser.add_argument("--block-size", type=_types.block_size, default=None,
-                        help="most tokens verified per round (default: the drafter's block_size)")
+                        help="most tokens verified per round; also the drafter's block_size where its config.json "
+                        "has none (default: the drafter's block_size)")
     parser.add_argument("--temperature", type=_types.non_negative_float, default=DECODE["temperature"],
                         help="0 = greedy; > 0 = speculative sampling")
     parser.add_argument("--seed", type=_types.non_negative_int, default=DECODE["seed"], help="sampling seed")
@@ -195,10 +197,12 @@ def check_block_size(args) -> None:
     """--block-size against every drafter's block_size, from their config.json, before any model loads."""
     from decode.config import DecodeConfig
     from models.checkpoint import read_config_json
+    from models.drafter_config import with_drafter_keys
 
     if args.block_size is not None:
         for folder in args.drafter or [drafter_path(args)]:
-            DecodeConfig(block_size=args.block_size).verify_block(read_config_json(folder)["block_size"])
+            config = with_drafter_keys(read_config_json(folder), drafter_keys(args, folder), f"{folder}/config.json")
+            DecodeConfig(block_size=args.block_size).verify_block(config["block_size"])
 
 
 def load_models_and_prompts(args):
@@ -220,12 +224,13 @@ def load_models_and_prompts(args):
         target_path = model_paths(first_args)[1]
         target_config, target_tokenizer = target_config_of(target_path), load_tokenizer(target_path)
         for folder in others:
-            check_pair(validate_checkpoint(folder), target_config, load_tokenizer(folder), target_tokenizer)
+            check_pair(validate_checkpoint(folder, drafter_keys(args, folder)), target_config, load_tokenizer(folder),
+                       target_tokenizer)
     pair, prompts, first_dir, target_path, source = load_pair_and_prompts(first_args)
     drafters = [(first_dir, pair.drafter)]
     for folder in others:
         weight = next(pair.drafter.parameters())  # every drafter computes as the first does
-        drafter = load_drafter(folder, weight.dtype, weight.device)
+        drafter = load_drafter(folder, weight.dtype, weight.device, drafter_keys(args, folder))
         positions = min(pair.max_positions, getattr(drafter.config, "max_position_embeddings", pair.max_positions))
         check_context(prompts, args.max_new_tokens, drafter.config.block_size, positions)
         drafters.append((folder, drafter))

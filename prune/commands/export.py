@@ -2,6 +2,7 @@
 optionally without named layers (a run's choice applied to another copy of the drafter, or a hand-picked set)."""
 
 from . import _types
+from ._checkpoint_args import add_drafter_key_args, add_max_shard_size_arg, drafter_keys
 from ._common import DTYPES, add_command, add_debug
 
 
@@ -27,9 +28,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--remove-layers", type=_types.layer_indices, default=None, metavar="I,J,...",
                         help="remove these layers, by their index in the unpruned drafter (the report's 'removed "
                         "(original index)')")
+    add_max_shard_size_arg(parser)
+    add_drafter_key_args(parser)
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
     parser.add_argument("--json", metavar="OUT", default=None, type=_types.output_file,
-                        help="write the export's record (source, destination, dtype, layers, bytes) as JSON "
+                        help="write the export's record (source, destination, dtype, layers, weight files, bytes) "
+                        "as JSON "
                         "('-' = stdout)")
     add_debug(parser)
     parser.set_defaults(run=run)
@@ -38,8 +42,9 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from models.checkpoint import WEIGHTS_NAME, ensure_writable_output, read_config_json
+    from models.checkpoint import ensure_writable_output, read_config_json
     from models.drafter import load_drafter
+    from models.shards import weight_files, weights_bytes
     from models.precision import dtype_name
     from models.surgery import current_indices, remove_layers
     from prune.export import export_step, read_report, resolve_export_dtype
@@ -51,7 +56,7 @@ def run(args) -> int:
     source = Path(args.source).resolve()
     # The layers to remove are checked against config.json before the weights load.
     removed = current_indices(read_config_json(source), args.remove_layers) if args.remove_layers else None
-    model = load_drafter(source)
+    model = load_drafter(source, drafter_keys=drafter_keys(args, source))
     report, history = read_report(source)
     report["exported_from"] = str(source)
     if args.remove_layers:
@@ -60,10 +65,12 @@ def run(args) -> int:
         history = [*history, {"step": "export", "removed_original": list(args.remove_layers),
                               "layers": model.config.num_hidden_layers}]
     dtype = resolve_export_dtype(args.dtype, source)
-    export_step(model, args.destination, source, report, history, dtype=dtype, overwrite=args.overwrite)
+    export_step(model, args.destination, source, report, history, dtype=dtype, overwrite=args.overwrite,
+                max_shard_size=args.max_shard_size)
     write_json({"source": str(source), "destination": args.destination, "dtype": dtype_name(dtype),
                 "layers": model.config.num_hidden_layers,
-                "weights_bytes": (Path(args.destination) / WEIGHTS_NAME).stat().st_size}, args.json)
+                "weight_files": [file.name for file in weight_files(args.destination)],
+                "weights_bytes": weights_bytes(args.destination)}, args.json)
     if args.json != "-":
         print(args.destination)
     return 0

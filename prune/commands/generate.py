@@ -13,6 +13,7 @@ from decode.config import GATE_MODES
 from decode.registry import OURS, SPECULATIVE, TARGET, describe
 
 from . import _types
+from ._checkpoint_args import drafter_keys
 from ._common import (
     DECODE,
     add_command,
@@ -121,7 +122,7 @@ def load_generator(args):
     drafter_dir, target_path = model_paths(args)
     generator = Generator(drafter_dir, target_path, decoder=args.decoder, dtype=torch_dtype(args.dtype, device),
                           drafter_dtype=args.drafter_dtype, device=device, width="fixed",
-                          chat_template=not args.no_chat_template)
+                          chat_template=not args.no_chat_template, drafter_keys=drafter_keys(args, drafter_dir))
     if args.decoder != "ar":  # the width policy comes from the pass times, measured once per pair and cached
         generator.config = decode_config(args, generator.pair)[0]
     return generator

@@ -5,6 +5,7 @@ The settings' defaults are `prune.config.FINISHING_HEAL`; docs/design.md (Healin
 """
 
 from . import _types
+from ._checkpoint_args import add_drafter_key_args, add_max_shard_size_arg, drafter_keys
 from ._common import DTYPES, add_command, add_debug
 
 EXAMPLES = """examples:
@@ -55,6 +56,8 @@ def add_parser(subparsers) -> None:
                         help="seeds the adapter, batch order and anchors")
     parser.add_argument("--dtype", choices=("source", *DTYPES), default="source",
                         help="dtype of the exported weights; source: the dtype SOURCE's weights are stored in")
+    add_max_shard_size_arg(parser)
+    add_drafter_key_args(parser)
     parser.add_argument("--threads", type=_types.non_negative_int, default=0,
                         help="torch CPU threads (0: torch's default)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
@@ -95,7 +98,8 @@ def run(args) -> int:
     config.validate()
     dtype = resolve_export_dtype(args.dtype, args.source)
     record = heal_folder(args.source, args.destination, teacher, examples, config, describe(*chosen), dtype=dtype,
-                         overwrite=args.overwrite, progress=not args.no_progress and args.json != "-")
+                         overwrite=args.overwrite, progress=not args.no_progress and args.json != "-",
+                         drafter_keys=drafter_keys(args), max_shard_size=args.max_shard_size)
     write_json({"destination": args.destination, **record}, args.json)
     if args.json != "-":
         print(args.destination)

@@ -9,6 +9,7 @@ from prune.config import HealConfig, RunConfig, ScoreConfig
 from prune.criteria import CRITERIA, describe
 
 from . import _types
+from ._checkpoint_args import add_max_shard_size_arg
 from ._common import (
     add_command,
     add_debug,
@@ -113,6 +114,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=_types.non_negative_int, default=SCORE["seed"],
                         help="seeds healing and the bootstrap")
     add_export_dtype_arg(parser)
+    add_max_shard_size_arg(parser)
     parser.add_argument("--speed-suite", default="humaneval:eval", metavar="NAME[:train|:calib|:eval] | FILE.jsonl",
                         type=_types.suite_or_prompt_file,
                         help="held-out prompts of the measured speed check at the end (a built-in suite or a JSONL "
@@ -176,7 +178,7 @@ def _run(args) -> int:
         timing = (None if args.resume and has_run(args.out) else
                   campaign_timing(pair.drafter, config.score, pair.target, times, cache))
         state = run_pruning(campaign, args.out, config, resume=args.resume, timing=timing,
-                            export_dtype=args.export_dtype, hooks=hooks)
+                            export_dtype=args.export_dtype, hooks=hooks, max_shard_size=args.max_shard_size)
     except BaseException:
         tracker.finish(exit_code=1)
         raise
@@ -273,7 +275,7 @@ def summary_lines(state: dict, out: str) -> list[str]:
     """
     from pathlib import Path
 
-    from models.checkpoint import stored_dtype
+    from models.shards import stored_dtype
     from prune.state import judged_on
     from prune.text import number, plus_minus
 

@@ -1,6 +1,7 @@
 """`prune validate`: check a drafter checkpoint (and optionally its pairing with a target) without decoding."""
 
 from . import _types
+from ._checkpoint_args import add_drafter_key_args, drafter_keys
 from ._common import add_command, add_debug, quiet_libraries, write_json
 
 
@@ -10,12 +11,14 @@ def add_parser(subparsers) -> None:
         "validate",
         help="check a drafter folder and its compatibility with a target",
         description="Check a drafter checkpoint without loading its weights: config keys, per-layer config "
-        "lists, safetensors integrity, tensor names and shapes; with --target also the vocabulary, mask id, "
+        "lists, safetensors integrity (one model.safetensors, or every shard against its index), tensor names and "
+        "shapes; with --target also the vocabulary, mask id, "
         "tokenizer and block size against the target.\n\nexample:\n  prune validate --drafter DRAFTER --target TARGET",
     )
     parser.add_argument("--drafter", required=True, type=_types.drafter_dir, help="drafter checkpoint folder")
     parser.add_argument("--target", default=None, type=_types.target_path,
                         help="target model folder or .gguf file (optional)")
+    add_drafter_key_args(parser)
     parser.add_argument("--json", metavar="OUT", default=None, type=_types.output_file,
                         help="write the summary as JSON to OUT ('-' = stdout)")
     add_debug(parser)
@@ -24,10 +27,11 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from models.drafter import validate_checkpoint
+    from models.shards import weight_files, weights_bytes
     from models.target import check_pair, load_tokenizer, target_config_of
 
     quiet_libraries()
-    config = validate_checkpoint(args.drafter)
+    config = validate_checkpoint(args.drafter, drafter_keys(args, args.drafter))
     summary = {
         "drafter": args.drafter,
         "layers": config.num_hidden_layers,
@@ -36,6 +40,8 @@ def run(args) -> int:
         "mask_token_id": config.mask_token_id,
         "hidden_size": config.hidden_size,
         "vocab_size": config.vocab_size,
+        "weight_files": len(weight_files(args.drafter)),
+        "weights_bytes": weights_bytes(args.drafter),
         "compatible_with_target": None,
     }
     if args.target:
