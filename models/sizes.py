@@ -4,8 +4,9 @@ Parameters are counted exactly for the Llama family of the lean forward (models/
 `ARCHITECTURES` (which projections carry biases, whether q/k norms exist): with L layers, H hidden, I intermediate,
 q = heads x head_dim, kv = kv_heads x head_dim and V ids, the embedding V H, an untied head V H (a tied head is the
 embedding's tensor), per layer the seven projections H (q + 2 kv) + q H + 3 H I and their biases, two norms 2 H
-and Qwen3's q/k norms 2 head_dim, and the final norm H. Other architectures are counted on the meta device. `Shapes.fused_layer` and `Shapes.products` are the sizes of the derived forms models/lean.py keeps
-(the drafter's fused form, a target's stacked matrices); prune/memory_plan.py turns them into bytes.
+and Qwen3's q/k norms 2 head_dim, and the final norm H. Other architectures are counted on the meta device.
+`Shapes.fused_layer` and `Shapes.products` are the sizes of the derived forms models/lean.py keeps (the drafter's
+fused form, a target's stacked matrices); prune/memory_plan.py turns them into bytes.
 """
 
 from dataclasses import dataclass, field

@@ -58,7 +58,8 @@ Phases:
               moment its result is judged (three fast-path forms, caches, activations, logits).
   heal_full   `prune heal --train full`: it loads the source and the teacher in float32 and trains a float32 copy
               (three drafters; no target), AdamW's states, and the larger of the forward's end (training
-              activations, head_loss) and the backward's (the gradients).
+              activations, head_loss) and the backward's (the gradients). `prune heal` trains on the CPU; for
+              another device the plan says what the same heal would hold there.
 """
 
 import inspect
@@ -69,7 +70,7 @@ from pathlib import Path
 from decode.config import DecodeConfig
 from models.sizes import Shapes
 
-from .config import HealConfig, ScoreConfig
+from .config import FINISHING_HEAL, HealConfig, ScoreConfig
 from .training.config import TrainConfig
 
 GIB = 1 << 30
@@ -103,7 +104,7 @@ def training_activations(shapes: Shapes, tokens: int, nbytes: int, train: str) -
     else:
         per_layer = (4 * h + 4 * i + 6 * q + 2 * kv) * nbytes
         if nbytes != FLOAT32:
-            per_layer += (5 * h + i + q) * FLOAT32
+            per_layer += (5 * h + i + q) * FLOAT32  # peft casts each adapter's input to its float32 weights
     return tokens * (shapes.layers * per_layer + 3 * h * nbytes)
 
 
@@ -116,7 +117,15 @@ def _remember_most() -> int:
 
 @dataclass
 class Workload:
-    """What the plan assumes a command decodes and trains on: the tool's defaults."""
+    """What the plan assumes a command decodes and trains on, the tool's defaults unless given.
+
+    Attributes:
+        prompt_tokens: the longest prompt; nothing in the configs says, so a heal's crop (HealConfig.max_length).
+        max_new_tokens, packed_budget: as in decode.config.DecodeConfig.
+        batch_size: prompts a replayed drafter pass decodes at once (ScoreConfig.batch_size).
+        heal: the run's heal (HealConfig: LoRA, its batch and sequence length); pad_multiple, grad_accum as the
+            heal's training loop takes them (TrainConfig).
+    """
 
     prompt_tokens: int = HealConfig.max_length  # a heal's sequence length, taken as a prompt's
     max_new_tokens: int = DecodeConfig.max_new_tokens
@@ -193,7 +202,7 @@ def plan_memory(drafter_config, target_config=None, device: str = "cpu", dtype: 
     }
     held = {"runtime": runtime_bytes(kind) if runtime is None else runtime}
     if target is not None:
-        forms = 2 if not on_cpu or can_prepack(torch.device("cpu"), target_dtype) else 1
+        forms = 2 if can_prepack(torch.device("cpu"), target_dtype) else 1  # plain and prepacked, or plain
         target_fast = forms * (target.layers * target.products + target.embedding) if on_cpu else 0
         held.update(target_weights=target.parameters * t_bytes, target_fast_path=target_fast * t_bytes,
                     target_kv_cache=context * target.kv_per_token(t_bytes))
@@ -204,7 +213,7 @@ def plan_memory(drafter_config, target_config=None, device: str = "cpu", dtype: 
              "drafter_fast_path": drafter_copies * drafter_fast, **decoding}
 
     heal = work.heal
-    heal_tokens = _heal_tokens(work, block)
+    heal_tokens = _heal_tokens(heal, work.pad_multiple, block)
     rows_per_batch = heal.batch_size * (heal.blocks_per_sequence * block + heal.max_length)
     batches = min(heal.steps * work.grad_accum, _remember_most())
     run_held = {**held, "drafter_weights": 3 * drafter_weights,
@@ -220,8 +229,9 @@ def plan_memory(drafter_config, target_config=None, device: str = "cpu", dtype: 
     trainable = drafter.layers * drafter.layer_parameters + drafter.hidden
     full_held = {"runtime": held["runtime"], "drafter_weights": 3 * drafter.parameters * FLOAT32,
                  "optimizer_states": ADAMW_STATES * trainable * FLOAT32}
-    full_forward = {**full_held, "training_activations": training_activations(drafter, heal_tokens, FLOAT32, "full")
-                    + _mask(heal, heal_tokens, FLOAT32), "head_loss": _head_loss(drafter)}
+    full_tokens = _heal_tokens(FINISHING_HEAL, work.pad_multiple, block)
+    full_forward = {**full_held, "training_activations": training_activations(drafter, full_tokens, FLOAT32, "full")
+                    + _mask(FINISHING_HEAL, full_tokens, FLOAT32), "head_loss": _head_loss(drafter)}
     full_backward = {**full_held, "gradients": trainable * FLOAT32}
 
     run_moment, run_parts = _fullest({"heal": run_heal, "judge": run_judge})
@@ -240,11 +250,10 @@ def _pass_mask(shapes: Shapes, rows: int, queries: int, keys: int, nbytes: int) 
     return (1 + shapes.heads // shapes.kv_heads) * rows * queries * keys * nbytes
 
 
-def _heal_tokens(work: Workload, block: int) -> int:
+def _heal_tokens(heal: HealConfig, pad_multiple: int, block: int) -> int:
     """Query tokens of one heal micro-batch: sequences cropped to max_length, their mask blocks after them."""
-    heal = work.heal
     length = heal.max_length + heal.blocks_per_sequence * block
-    return heal.batch_size * math.ceil(length / work.pad_multiple) * work.pad_multiple
+    return heal.batch_size * math.ceil(length / pad_multiple) * pad_multiple
 
 
 def _mask(heal: HealConfig, tokens: int, nbytes: int) -> int:
@@ -324,6 +333,6 @@ def describe(plan: MemoryPlan, available: int | None, source: str) -> str:
     params = ", ".join(f"{role} {n:,} parameters ({gib(plan.weight_bytes[role])})"
                        for role, n in plan.parameters.items() if n is not None)
     peaks = ", ".join(f"{PHASE_COMMANDS[phase]} {gib(peak)}" for phase, peak in plan.peaks.items())
-    where = f"{gib(available)} available ({source})" if available is not None else f"available memory unknown ({source})"
+    where = f"{gib(available)} available" if available is not None else "available memory unknown"
     return (f"memory plan on {plan.device} (target {plan.dtype}, drafter {plan.drafter_dtype}): {params}\n"
-            f"estimated peak: {peaks}; {where}")
+            f"estimated peak: {peaks}; {where} ({source})")

@@ -67,8 +67,11 @@ def test_the_derived_forms_are_the_sizes_lean_keeps():
 
     drafter = build_tiny_drafter(num_hidden_layers=3)
     shapes = Shapes.of(drafter.config)
-    fused = LeanDecoder(drafter, fused=True, copies=False).layers
-    assert sum(t.numel() for layer in fused for t in layer if t is not None) == 3 * shapes.fused_layer
+    fused = LeanDecoder(drafter, fused=True, copies=False).layers  # copies=False: a GPU's setting
+    tensors = [t for layer in fused for t in layer if t is not None]
+    assert sum(t.numel() for t in tensors) == 3 * shapes.fused_layer
+    weights = {p.untyped_storage().data_ptr() for p in drafter.parameters()}
+    assert not weights & {t.untyped_storage().data_ptr() for t in tensors}  # a copy on every device
     plain = LeanDecoder(drafter, packed_from=None, copies=True).layers
     assert sum(layer[i].plain.numel() for layer in plain for i in (1, 3, 5, 6)) == 3 * shapes.products
 

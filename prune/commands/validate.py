@@ -40,6 +40,7 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from models.drafter import validate_checkpoint
     from models.target import check_pair, load_tokenizer, target_config_of
+    from prune.memory_plan import describe, warnings_for
 
     quiet_libraries()
     config = validate_checkpoint(args.drafter)
@@ -65,12 +66,8 @@ def run(args) -> int:
     if args.json:
         write_json(summary, args.json)
     if args.json != "-":
-        from prune.memory_plan import describe
-
         print(f"OK: {checked}")
         print(describe(plan, available, source) + ("" if target_config else " (no --target: its parts left out)"))
-    from prune.memory_plan import warnings_for
-
     for line in warnings_for(plan, available, source):
         print(line, file=sys.stderr)
     return 0
