@@ -271,13 +271,22 @@ def verify_line(ms_by_width: dict[int, float]) -> tuple[float, float, float]:
 
 
 def _line(ms_by_width: dict[int, float]) -> tuple[float, float]:
-    """(value at width 1, slope >= 0) of the least-squares line through `ms_by_width`."""
+    """(value at width 1, slope >= 0) of the least-squares line through `ms_by_width`, kept physical: where
+    noise tilts the line so steeply that it reads zero or less at width 1 (seen on a 2-core machine kept busy
+    by other work: -0.9 ms), the least-squares line through the narrowest pass's median instead."""
     widths = sorted(ms_by_width)
     mean_w = sum(widths) / len(widths)
     mean_ms = sum(ms_by_width.values()) / len(widths)
     spread = sum((w - mean_w) ** 2 for w in widths)
     slope = max(0.0, sum((w - mean_w) * (ms_by_width[w] - mean_ms) for w in widths) / spread)
-    return mean_ms - slope * (mean_w - 1), slope
+    level = mean_ms - slope * (mean_w - 1)
+    if level > 0:
+        return level, slope
+    first, first_ms = widths[0], ms_by_width[widths[0]]
+    spread = sum((w - first) ** 2 for w in widths)
+    slope = max(0.0, sum((w - first) * (ms_by_width[w] - first_ms) for w in widths) / spread)
+    slope = min(slope, first_ms / first) if first > 1 else slope  # the line stays above zero at width 1
+    return first_ms - slope * (first - 1), slope
 
 
 def drafter_layer_costs(drafter, packed_budget: int, repeats: int = 5, full: tuple[float, float] | None = None,

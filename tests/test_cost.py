@@ -128,6 +128,11 @@ def test_the_ar_step_is_read_off_a_line_through_every_verify_width():
     # A pass that gets no slower with width (a GPU): no negative slope, the ar step is the mean.
     assert verify_line({1: 10.0, 2: 10.5, 4: 9.5, 8: 10.0, 16: 9.0}) == pytest.approx((9.8, 0.0, 0.0))
     assert verify_line({1: 42.0}) == (42.0, 0.0, 0.0)
+    # Noise that tilts the line below zero at width 1 (read under load): the line through the one-token pass.
+    ar_ms, step, slope = verify_line({1: 0.4, 2: 0.3, 4: 3.0, 8: 9.0, 16: 30.0})
+    assert ar_ms == 0.4 and step == 0.0 and slope > 0
+    ar_ms, step, slope = verify_line({2: 0.3, 4: 3.0, 8: 9.0, 16: 30.0})
+    assert ar_ms > 0 and slope >= 0
 
 
 def test_a_one_token_step_below_the_wider_passes_is_a_step():
