@@ -191,9 +191,10 @@ def section_values(args, section: str) -> dict:
 
 def config_help(command: str) -> str:
     first = settings_of(command)[0]
-    sections = ", ".join(f"[{name}]" for name in sections_of(command))
-    return (f"TOML settings: sections {sections} keyed by field ({first.key} = ... is {_flag(first)}; also the "
-            "expert settings no flag sets); flags given override it (default: none)")
+    sections = sections_of(command)
+    listed = ("sections " if len(sections) > 1 else "section ") + ", ".join(f"[{name}]" for name in sections)
+    return (f"TOML settings: {listed} keyed by field ({first.key} = ... is {_flag(first)}; also the expert "
+            "settings no flag sets); flags given override it (default: none)")
 
 
 def add_config_arg(parser, command: str) -> None:
