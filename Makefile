@@ -32,7 +32,7 @@ test: setup data
 # `make bench` measures the ar, sync and async decoders on the demo pair.
 DEMO_OUT ?= .demo/pruned
 # The stops are off so that the short demo shows two steps; a real run keeps them (see README).
-DEMO_ARGS ?= --layers-to-remove 2 --limit 8 --max-new-tokens 32 --no-speedup-stop --min-retention 0.9
+DEMO_ARGS ?= --layers-to-remove 2 --limit 8 --max-new-tokens 32 --no-stop-on-speedup --min-retention 0.9
 demo: setup
 	$(BIN)/prune run --out $(DEMO_OUT) $(DEMO_ARGS) $$(test -f $(DEMO_OUT)/state.json && echo --resume)
 

@@ -36,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = None  # a --config file is read while parsing: its errors are known errors too
     try:
+        args = parser.parse_args(argv)
         return args.run(args) or 0
     except KeyboardInterrupt:
         print("Interrupted.", file=sys.stderr)

@@ -93,8 +93,8 @@ class HealWeights:
 # held-out tau on average (docs/design.md, Healing a finished drafter); its lr is lower since every weight moves.
 DEFAULT_HEAL_WEIGHTS = "lora"
 HEAL_WEIGHTS: dict[str, HealWeights] = {
-    "lora": HealWeights("LoRA adapters on the attention and MLP projections (--lora-rank, --lora-alpha), merged "
-                        "into the weights after", 5e-4),
+    "lora": HealWeights("LoRA adapters on the attention and MLP projections (rank, alpha), merged into the "
+                        "weights after", 5e-4),
     "full": HealWeights("every decoder layer's weights and the final norm (the embedding and the tied head stay "
                         "as they are)", 1e-4),
 }
@@ -147,7 +147,7 @@ class HealConfig:
         if self.steps < 0 or self.rank < 1 or self.alpha <= 0:
             raise ConfigError(
                 f"heal steps {self.steps} must be >= 0, LoRA rank {self.rank} >= 1 and alpha {self.alpha} > 0 "
-                "(--heal-steps, --lora-rank, --lora-alpha)"
+                "(--heal-steps, --heal-rank, --heal-alpha)"
             )
 
 

@@ -416,7 +416,7 @@ def _heal(run: _Run, reduced, before: Evaluation, base_tau: float, step: int):
     if not _needs_heal(run, before.tau, base_tau):
         run.log(f"{standing} (heals below {1 - config.min_drop:.2%}, --heal-min-drop): not healed")
         return reduced, before, [], False
-    run.log(f"{standing}: healing ({config.steps} LoRA updates, --heal-distill {config.distill_weight:g})")
+    run.log(f"{standing}: healing ({config.steps} LoRA updates, --heal-distill-weight {config.distill_weight:g})")
     started = time.monotonic()
     # The teacher of a distilling heal is the unpruned drafter: what every step tries to stay close to.
     candidate, losses = heal(reduced, examples, config, teacher=run.campaign.teacher,

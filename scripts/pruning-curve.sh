@@ -30,7 +30,7 @@ PRUNE=${PRUNE:-.venv/bin/prune}
 mkdir -p "$OUT"
 HEAL=()
 if [ ${#HEAL_DATA[@]} -gt 0 ]; then HEAL=(--heal-data "${HEAL_DATA[@]}"); fi
-RUN=(--drafter "$DRAFTER" "${HEAL[@]}" --no-speedup-stop --min-retention 0.5 --speed-prompts 0 --no-wandb --resume)
+RUN=(--drafter "$DRAFTER" "${HEAL[@]}" --no-stop-on-speedup --min-retention 0.5 --speed-prompts 0 --no-wandb --resume)
 
 echo "== prune run: $PER_STEP layers per step, 12 in all"
 $PRUNE run --out "$OUT/steps" --layers-to-remove 12 --per-step "$PER_STEP" "${RUN[@]}" --json "$OUT/steps.json"

@@ -46,7 +46,7 @@ def test_score_run_and_sweep_key_a_round_alike_and_share_it(pair_dirs, tmp_path,
     assert main(["score", *common, "--json", str(tmp_path / "scores.json")]) == 0
     assert len(keys) == 1 and scored == [1]
     assert main(["run", *common, "--out", str(tmp_path / "run"), "--layers-to-remove", "1", "--min-retention",
-                 "0.01", "--no-speedup-stop", "--speed-prompts", "0"]) == 0
+                 "0.01", "--no-stop-on-speedup", "--speed-prompts", "0"]) == 0
     assert keys[1] == keys[0] and scored == [1]  # the run's only round came from what prune score stored
 
     # A sweep scores with fewer bootstrap resamples (sweeps.config.TRIAL_BOOTSTRAP): the same with prune score.

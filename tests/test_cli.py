@@ -371,7 +371,7 @@ def test_every_cache_key_holds_the_device_and_the_dtype(pair_dirs, capsys, tmp_p
 def test_run_resume_and_bad_inputs(pair_dirs, capsys, tmp_path):
     base = ["run", "--drafter", str(pair_dirs / "drafter"), "--target", str(pair_dirs / "target"),
             "--prompts", str(pair_dirs / "prompts.jsonl"), "--max-new-tokens", "12", "--out", str(tmp_path / "out"),
-            "--min-retention", "0.01", "--no-speedup-stop"]
+            "--min-retention", "0.01", "--no-stop-on-speedup"]
     assert main(base + ["--layers-to-remove", "1", "--json", "-", "--speed-suite", str(pair_dirs / "prompts.jsonl"),
                         "--speed-prompts", "2"]) == 0
     captured = capsys.readouterr()
@@ -429,7 +429,7 @@ def test_bench_on_an_exported_step_reproduces_its_tau(pair_dirs, capsys, tmp_pat
     # --limit 1: the first prompt calibrates, the other two are the check prompts that judge the step.
     common = ["--target", str(pair_dirs / "target"), "--max-new-tokens", "12"]
     run = ["run", "--drafter", str(pair_dirs / "drafter"), *common, "--prompts", str(pair_dirs / "prompts.jsonl"),
-           "--layers-to-remove", "1", "--min-retention", "0.01", "--no-speedup-stop", "--json", "-",
+           "--layers-to-remove", "1", "--min-retention", "0.01", "--no-stop-on-speedup", "--json", "-",
            "--speed-prompts", "0", "--check-tokens", "20"]
     assert main(run + ["--out", str(tmp_path / "out"), "--limit", "1"]) == 0
     captured = capsys.readouterr()
@@ -457,7 +457,7 @@ def test_disk_error_during_export_fails_cleanly_and_resumes(pair_dirs, capsys, t
 
     args = ["run", "--drafter", str(pair_dirs / "drafter"), "--target", str(pair_dirs / "target"),
             "--prompts", str(pair_dirs / "prompts.jsonl"), "--max-new-tokens", "12", "--out", str(tmp_path / "out"),
-            "--layers-to-remove", "1", "--min-retention", "0.01", "--no-speedup-stop"]
+            "--layers-to-remove", "1", "--min-retention", "0.01", "--no-stop-on-speedup"]
 
     def full_disk(*_, **__):  # the step's files are written: hashing them is the last thing in the atomic write
         raise OSError(errno.ENOSPC, "No space left on device")

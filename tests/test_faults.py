@@ -97,8 +97,8 @@ def pair(tmp_path_factory):
 def run_args(pair: Path, out: Path, *extra: str, cache: Path | None = None) -> list[str]:
     return ["run", "--drafter", str(pair / "drafter"), "--target", str(pair / "target"), "--prompts",
             str(pair / "prompts.jsonl"), "--max-new-tokens", "16", "--out", str(out), "--layers-to-remove", "2",
-            "--min-retention", "0.01", "--no-speedup-stop", "--heal-data", str(pair / "heal"), "--heal-steps", "3",
-            "--heal-min-drop", "0", "--lora-rank", "2", "--lora-alpha", "4", "--speed-prompts", "0", "--no-wandb",
+            "--min-retention", "0.01", "--no-stop-on-speedup", "--heal-data", str(pair / "heal"), "--heal-steps", "3",
+            "--heal-min-drop", "0", "--heal-rank", "2", "--heal-alpha", "4", "--speed-prompts", "0", "--no-wandb",
             "--cache-dir", str(cache or pair / "cache"), *extra]
 
 
@@ -176,8 +176,8 @@ def test_python_m_prune_run_killed_while_scoring_resumes_to_the_same_bytes(pair,
 
 
 def heal_args(pair: Path, source: Path, destination: Path, *extra: str) -> list[str]:
-    return ["heal", str(source), str(destination), "--data", str(pair / "heal"), "--steps", "12", "--lora-rank",
-            "2", "--lora-alpha", "4", "--no-progress", *extra]
+    return ["heal", str(source), str(destination), "--data", str(pair / "heal"), "--steps", "12", "--rank",
+            "2", "--alpha", "4", "--no-progress", *extra]
 
 
 def test_prune_heal_distills_a_finished_run_and_a_killed_heal_resumes_to_the_same_bytes(pair, reference, tmp_path):

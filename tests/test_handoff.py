@@ -38,7 +38,7 @@ def bf16_pair(tmp_path_factory):
 def run_args(pair, out, *extra):
     return ["run", "--drafter", str(pair / "drafter"), "--target", str(pair / "target"), "--prompts",
             str(pair / "prompts.jsonl"), "--max-new-tokens", "12", "--out", str(out), "--layers-to-remove", "1",
-            "--min-retention", "0.01", "--no-speedup-stop", *extra]
+            "--min-retention", "0.01", "--no-stop-on-speedup", *extra]
 
 
 def weight_dtypes(folder) -> set[str]:

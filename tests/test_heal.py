@@ -69,7 +69,7 @@ def test_heal_is_deterministic_and_leaves_its_input_alone(healed):
 def test_bad_heal_settings():
     from models.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="--lora-rank"):
+    with pytest.raises(ConfigError, match="--heal-rank"):
         HealConfig(rank=0).validate()
     with pytest.raises(ConfigError, match="unknown heal weights 'adapter'; choose lora or full"):
         HealConfig(train="adapter").validate()

@@ -50,7 +50,7 @@ def chat_pair(tmp_path_factory):
 def run_args(root, prompts, out):
     return ["run", "--drafter", str(root / "drafter"), "--target", str(root / "target"), "--prompts",
             str(root / prompts), "--max-new-tokens", "6", "--out", str(out), "--layers-to-remove", "1",
-            "--heal-steps", "0", "--min-retention", "0.01", "--no-speedup-stop", "--speed-prompts", "0",
+            "--heal-steps", "0", "--min-retention", "0.01", "--no-stop-on-speedup", "--speed-prompts", "0",
             "--no-wandb"]
 
 

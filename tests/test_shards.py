@@ -303,7 +303,7 @@ def pair(tmp_path_factory):
 def run_args(pair, out, *extra):
     return ["run", "--drafter", str(pair / "drafter"), "--target", str(pair / "target"), "--prompts",
             str(pair / "prompts.jsonl"), "--max-new-tokens", "12", "--out", str(out), "--layers-to-remove", "2",
-            "--min-retention", "0.01", "--no-speedup-stop", "--heal-steps", "0", "--speed-prompts", "0",
+            "--min-retention", "0.01", "--no-stop-on-speedup", "--heal-steps", "0", "--speed-prompts", "0",
             "--no-wandb", "--cache-dir", str(pair / "cache"), "--max-shard-size", "30KB", *extra]
 
 

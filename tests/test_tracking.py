@@ -44,8 +44,8 @@ def pair_dirs(tmp_path_factory):
 def run_args(root, out, *extra):
     return ["run", "--drafter", str(root / "drafter"), "--target", str(root / "target"), "--prompts",
             str(root / "prompts.jsonl"), "--max-new-tokens", "12", "--out", str(out), "--layers-to-remove", "2",
-            "--min-retention", "0.01", "--no-speedup-stop", "--heal-data", str(root / "heal"), "--heal-steps", "2",
-            "--heal-min-drop", "0", "--lora-rank", "2", "--lora-alpha", "4", *extra]
+            "--min-retention", "0.01", "--no-stop-on-speedup", "--heal-data", str(root / "heal"), "--heal-steps", "2",
+            "--heal-min-drop", "0", "--heal-rank", "2", "--heal-alpha", "4", *extra]
 
 
 def offline_run(folder, wait_s: float = 60.0):

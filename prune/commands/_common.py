@@ -12,7 +12,7 @@ from decode.config import CANDIDATE_MODES, GATE_MODES, WIDTH_MODES, DecodeConfig
 from prune.config import ScoreConfig
 from prune.tracking import TrackingConfig, default_dir, drafter_tag, resolve_mode, tracker_for
 
-from . import _types
+from . import _help, _settings, _types
 from ._checkpoint_args import add_drafter_key_args, drafter_keys
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -29,7 +29,11 @@ DECODE, TRACKING, SCORE = defaults(DecodeConfig), defaults(TrackingConfig), defa
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Shows each flag's default (`none` for an optional value left unset) unless the help already states it,
-    and keeps the examples' line breaks."""
+    keeps the examples' line breaks (wrapping only lines wider than the terminal), and lists the expert flags
+    of a usage line as one `[expert options]` (prune/commands/_help.py)."""
+
+    def _fill_text(self, text, width, indent):
+        return _help.fill_lines(text, width, indent)
 
     def _get_help_string(self, action):
         if "(default" in (action.help or "") or action.required or not action.option_strings:
@@ -38,19 +42,34 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
             return action.help if action.nargs == 0 else f"{action.help} (default: none)"
         return super()._get_help_string(action)
 
+    def add_usage(self, usage, actions, groups, prefix=None):
+        super().add_usage(usage, _help.usage_actions(list(actions)), groups, prefix)
+
 
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are one line on stderr that points at --help (exit 2).
 
     Once every flag is read, each drafter folder flag (type _types.drafter_dir) is checked to name a drafter:
     its config.json has the drafter keys, or the command's --block-size / --mask-token-id give the missing
-    ones (add_drafter_key_args), which a type reading one value cannot see."""
+    ones (add_drafter_key_args), which a type reading one value cannot see. A command with settings reads its
+    --config file here too (prune/commands/_settings.py), so that the flags given override it. Its --help lists
+    the command's first flags, then the expert ones (prune/commands/_help.py)."""
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}; see {self.prog} --help\n")
 
+    def format_help(self):
+        _help.group_options(self, getattr(self, "common", _help.COMMON))
+        return super().format_help()
+
+    def format_usage(self):
+        _help.group_options(self, getattr(self, "common", _help.COMMON))
+        return super().format_usage()
+
     def parse_known_args(self, args=None, namespace=None):
         namespace, extras = super().parse_known_args(args, namespace)
+        if getattr(namespace, "config", None) and getattr(self, "settings", None):
+            _settings.read_config(self, self.settings, namespace, sys.argv[1:] if args is None else list(args))
         for action in self._actions:
             if action.type is not _types.drafter_dir:
                 continue
@@ -63,8 +82,15 @@ class Parser(argparse.ArgumentParser):
         return namespace, extras
 
 
-def add_command(subparsers, name: str, help: str, description: str):
-    return subparsers.add_parser(name, help=help, description=description, formatter_class=HelpFormatter)
+def add_command(subparsers, name: str, help: str, description: str, common: tuple[str, ...] = _help.COMMON):
+    """The parser of command `name`: its --help lists the flags of `common` first (prune/commands/_help.py) and
+    the others as expert options; a command with settings (_settings.BINDINGS) reads --config FILE.toml."""
+    parser = subparsers.add_parser(name, help=help, description=description, formatter_class=HelpFormatter)
+    parser.common = common
+    if name in _settings.BINDINGS:
+        parser.settings = name
+        _settings.add_config_arg(parser, name)
+    return parser
 
 
 def add_debug(parser) -> None:
@@ -188,8 +214,9 @@ def decode_configs(args, pair, drafters, log=None, **fields) -> list:
     from decode.timing import measure_drafters
     from prune.cache import cached_json
 
-    base = DecodeConfig(stop_ids=pair.stop_ids, packed_budget=args.packed_budget,
-                        draft_threads=args.draft_threads, tree_branches=tree_branches(args), **fields)
+    base = DecodeConfig(**{"packed_budget": args.packed_budget, "draft_threads": args.draft_threads,
+                           "tree_branches": tree_branches(args), **_settings.section_values(args, "decode"),
+                           "stop_ids": pair.stop_ids, **fields})
     for drafter in drafters:
         base.verify_block(drafter.config.block_size)
     cache = cache_dir(args)
@@ -255,15 +282,14 @@ def add_prompt_args(parser, default_suite: str = "humaneval:eval", max_new_token
                     limit: int | None = None) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--suite", default=None, metavar="NAME[:train|:calib|:eval]", type=_types.suite,
-                        help=f"built-in prompt suite: humaneval, mtbench or champ, optionally one part; "
-                        "several joined by + are interleaved one prompt from each in turn "
-                        f"(humaneval:calib+champ:calib) (default when --prompts is not given: {default_suite})")
+                        help=f"built-in prompt suite: humaneval, mtbench or champ, or one part (humaneval:calib); "
+                        f"several joined by + are interleaved (default when --prompts is not given: {default_suite})")
     source.add_argument("--prompts", default=None, metavar="FILE.jsonl", type=_types.text_file,
                         help="JSONL prompts: records with prompt, messages or input_ids (optional id)")
     parser.set_defaults(default_suite=default_suite)
-    parser.add_argument("--limit", type=_types.positive_int, default=limit,
+    parser.add_argument("--limit", type=_types.positive_int, default=limit, metavar="N",
                         help="use the first N prompts" + (" (default: all)" if limit is None else ""))
-    parser.add_argument("--max-new-tokens", type=_types.positive_int, default=max_new_tokens,
+    parser.add_argument("--max-new-tokens", type=_types.positive_int, default=max_new_tokens, metavar="N",
                         help="tokens generated per prompt at most")
     parser.add_argument("--no-chat-template", action="store_true",
                         help="feed prompt text as is instead of through the tokenizer's chat template")

@@ -32,6 +32,7 @@ from ._common import (
     stdout_console,
     write_json,
 )
+from ._help import COMMON
 
 EXAMPLES = """
 examples:
@@ -59,6 +60,7 @@ def add_parser(subparsers) -> None:
         "With several --drafter, every drafter after the first is also compared with the first, measured in "
         "the same run: how much faster, at what share of its tau, and how much faster at equal tau."
         + EXAMPLES,
+        common=(*COMMON, "--decoder"),
     )
     add_model_args(parser, several_drafters=True, block_size=False)
     add_prompt_args(parser)

@@ -21,6 +21,7 @@ def add_parser(subparsers) -> None:
         "predicted speedup vs layers removed, heal losses, the layer-score heatmap and tables, sweep parallel "
         "coordinates and the Pareto scatter (eval retention vs layers left). It reads the metric names that "
         "prune run, prune score and prune sweep log. Saving needs a logged-in W&B (`wandb login`)." + EXAMPLES,
+        common=("--entity", "--project", "--name", "--print"),
     )
     parser.add_argument("--entity", default=None, type=_types.name,
                         help="W&B entity (user or team); needed unless --print")

@@ -5,6 +5,7 @@ from prune.training.prompts import STYLES
 
 from . import _types
 from ._common import DTYPES, add_command, add_debug
+from ._help import COMMON
 
 
 def add_parser(subparsers) -> None:
@@ -17,6 +18,7 @@ def add_parser(subparsers) -> None:
         "answered greedily by the target through its chat template. Written in shards; rerunning the same "
         "command resumes after the last finished shard.\n\nexample:\n  prune distill --out data/distill "
         "--num-prompts 2000 --dtype bfloat16",
+        common=(*COMMON, "--num-prompts"),
     )
     parser.add_argument("--out", required=True, type=_types.output_dir,
                         help="output data folder (resumed when it holds a run of the same settings)")

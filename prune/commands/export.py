@@ -18,6 +18,7 @@ def add_parser(subparsers) -> None:
         "its history gains an 'export' row saying so; nothing is measured."
         "\n\nexamples:\n  prune export pruned/final pruned-bf16 --dtype bfloat16"
         "\n  prune export models/demo_drafter minus5 --remove-layers 3,2,8,9,26",
+        common=("--remove-layers", "--dtype", "--overwrite", "--json"),
     )
     parser.add_argument("source", type=_types.drafter_dir,
                         help="drafter folder to export (a `prune run` step or any drafter)")

@@ -47,6 +47,8 @@ def add_parser(subparsers) -> None:
         "commits tokens (the chat template applied as in prune bench), and one line on stderr at the end gives "
         "tokens, tokens/s, tau and the async hit rate. Greedy replies equal the target's own greedy reply."
         + EXAMPLES,
+        common=("--prompt", "--prompts", "--drafter", "--target", "--device", "--max-new-tokens", "--temperature",
+                "--json"),
     )
     parser.add_argument("--prompt", default=None, metavar="TEXT",
                         help="the prompt text (default: none; give --prompt or --prompts)")

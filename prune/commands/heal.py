@@ -7,11 +7,15 @@ The settings' defaults are `prune.config.FINISHING_HEAL`; docs/design.md (Healin
 from . import _types
 from ._checkpoint_args import add_drafter_key_args, add_max_shard_size_arg, drafter_keys
 from ._common import DTYPES, add_command, add_debug
+from ._help import add_alias
+from ._settings import build
 
 EXAMPLES = """examples:
   prune heal pruned/final pruned-healed                       (a run on the demo pair: teacher and data known)
   prune heal pruned/final healed --train full --steps 480     (every decoder weight, three times as long)
   prune heal pruned/final healed --teacher D --data data/distill --steps 400"""
+# Flags renamed to their settings' names (prune/commands/_settings.py); the old spellings still work.
+OLD_FLAGS = {"--lora-rank": "--rank", "--lora-alpha": "--alpha", "--distill": "--distill-weight"}
 
 
 def add_parser(subparsers) -> None:
@@ -23,10 +27,11 @@ def add_parser(subparsers) -> None:
         "heal",
         help="heal a pruned drafter with a longer fine-tune distilled from its unpruned source",
         description="Fine-tune SOURCE (e.g. OUT/final of `prune run`; LoRA adapters merged after, or every "
-        "decoder weight: --train) so that its predictions match the drafter it was pruned from (KL, --distill) "
+        "decoder weight: --train) so that its predictions match the drafter it was pruned from (KL, --distill-weight) "
         "on distillation data, and export the result to DESTINATION (plain Qwen3 folder, atomically). The "
         "training state is checkpointed beside DESTINATION every few updates; the same command resumes a "
         f"killed heal.\n\n{EXAMPLES}",
+        common=("--teacher", "--data", "--steps", "--train", "--json", "--config"),
     )
     parser.add_argument("source", type=_types.drafter_dir, help="the pruned drafter folder to heal")
     parser.add_argument("destination", type=_types.output_dir,
@@ -41,15 +46,15 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--steps", type=_types.positive_int, default=H.steps, help="optimizer updates")
     parser.add_argument("--train", choices=tuple(HEAL_WEIGHTS), default=H.train,
                         help="what trains: " + "; ".join(f"{name}: {w.help}" for name, w in HEAL_WEIGHTS.items()))
-    parser.add_argument("--lora-rank", type=_types.positive_int, default=H.rank, help="LoRA rank (--train lora)")
-    parser.add_argument("--lora-alpha", type=_types.positive_int, default=H.alpha,
+    parser.add_argument("--rank", type=_types.positive_int, default=H.rank, help="LoRA rank (--train lora)")
+    parser.add_argument("--alpha", type=_types.positive_int, default=H.alpha,
                         help="LoRA alpha (scale = alpha / rank) (--train lora)")
     parser.add_argument("--lr", type=_types.positive_float, default=None,
                         help="peak learning rate (default: " + ", ".join(f"{w.lr:g} with --train {name}"
                                                                          for name, w in HEAL_WEIGHTS.items()) + ")")
     parser.add_argument("--gamma", type=_types.positive_float, default=H.gamma,
                         help="slot weight decay: draft slot i of a block weighs exp(-(i-1)/gamma) in the loss")
-    parser.add_argument("--distill", type=_types.fraction, default=H.distill_weight, metavar="W",
+    parser.add_argument("--distill-weight", type=_types.fraction, default=H.distill_weight, metavar="W",
                         help="share of the loss that matches the teacher's predictions (KL) instead of the "
                         "target's tokens")
     parser.add_argument("--seed", type=_types.non_negative_int, default=H.seed,
@@ -65,17 +70,17 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--json", metavar="OUT", default=None, type=_types.output_file,
                         help="write a summary of the heal as JSON ('-' = stdout)")
     add_debug(parser)
+    for old, flag in OLD_FLAGS.items():
+        add_alias(parser, old, flag)
     parser.set_defaults(run=run)
 
 
 def run(args) -> int:
-    from dataclasses import replace
-
     import torch
 
     from models.checkpoint import ensure_writable_output
     from models.errors import ConfigError
-    from prune.config import FINISHING_HEAL, HEAL_WEIGHTS
+    from prune.config import HEAL_WEIGHTS
     from prune.export import resolve_export_dtype
     from prune.heal import heal_folder
 
@@ -92,9 +97,7 @@ def run(args) -> int:
         raise ConfigError("no healing data: give distillation folders of the teacher's target with --data DIR "
                           "(prune distill output)")
     examples = load_heal_examples(*chosen)
-    lr = args.lr if args.lr is not None else HEAL_WEIGHTS[args.train].lr
-    config = replace(FINISHING_HEAL, steps=args.steps, train=args.train, rank=args.lora_rank, alpha=args.lora_alpha,
-                     lr=lr, gamma=args.gamma, distill_weight=args.distill, seed=args.seed)
+    config = build(args, "heal", {"lr": args.lr if args.lr is not None else HEAL_WEIGHTS[args.train].lr})
     config.validate()
     dtype = resolve_export_dtype(args.dtype, args.source)
     record = heal_folder(args.source, args.destination, teacher, examples, config, describe(*chosen), dtype=dtype,

@@ -30,14 +30,19 @@ from ._common import (
     write_json,
 )
 from ._heal import add_heal_data_arg, heal_examples
+from ._help import PROMPTS, add_alias
+from ._settings import build
 
 EXAMPLES = """
 examples:
-  prune run --out pruned --layers-to-remove 5 --heal-data data/distill        (the demo pair)
-  prune run --drafter D --target T --prompts calib.jsonl --out pruned --min-retention 0.98 --heal-steps 0
-  prune run --out pruned --resume                                             (continue an interrupted run)
+  prune run --out pruned --layers-to-remove 5              (the demo pair and its heal data)
+  prune run --drafter D --target T --prompts calib.jsonl --heal-data data/distill --out pruned
+  prune run --out pruned --resume                          (continue an interrupted run)
 """
 RUN, SCORE, HEAL = defaults(RunConfig), defaults(ScoreConfig), defaults(HealConfig)
+# Flags renamed to their settings' names (prune/commands/_settings.py); the old spellings still work.
+OLD_FLAGS = {"--no-speedup-stop": "--no-stop-on-speedup", "--lora-rank": "--heal-rank", "--lora-alpha": "--heal-alpha",
+             "--heal-distill": "--heal-distill-weight"}
 
 
 def add_parser(subparsers) -> None:
@@ -45,13 +50,11 @@ def add_parser(subparsers) -> None:
         subparsers,
         "run",
         help="prune layers progressively: score, remove, heal with LoRA, export each step",
-        description="Progressive pruning: score the remaining layers on the calibration prompts (async decoder, "
-        "replayed target trajectories), remove the least harmful (--per-step at a time), heal with a short LoRA "
-        "fine-tune on distillation data when the drafter has lost --heal-min-drop of the unpruned tau (kept only "
-        "if it does not lower tau), export the step to OUT/step-XX, repeat. Stops at --layers-to-remove, at "
-        "--min-retention of the unpruned tau, or when predicted speedup falls --speedup-tolerance below the best so "
-        "far. Every tau that judges a step is measured on --check-prompts other prompts of the same source. "
-        "OUT/final points at the last step taken." + EXAMPLES,
+        description="Progressive pruning: score the layers on calibration prompts, remove the least harmful, heal "
+        "with LoRA when the drafter lost enough tau, export OUT/step-XX; repeat until --layers-to-remove, "
+        "--min-retention or a drop in predicted speedup. OUT/final is the last step taken." + EXAMPLES,
+        common=("--drafter", "--target", *PROMPTS, "--out", "--resume", "--layers-to-remove", "--min-retention",
+                "--heal-steps", "--json", "--heal-data", "--device", "--config"),
     )
     add_model_args(parser)
     add_prompt_args(parser, default_suite="humaneval:calib", max_new_tokens=64, limit=16)
@@ -59,10 +62,10 @@ def add_parser(subparsers) -> None:
                         help="output folder (must be empty unless --resume)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in OUT where it was interrupted (starts one when OUT holds none)")
-    parser.add_argument("--layers-to-remove", type=_types.positive_int, default=None,
+    parser.add_argument("--layers-to-remove", type=_types.positive_int, default=None, metavar="N",
                         help="stop after removing this many layers (default: no budget; the other stop "
                         "rules end the run)")
-    parser.add_argument("--min-retention", type=_types.positive_fraction, default=RUN["min_retention"],
+    parser.add_argument("--min-retention", type=_types.positive_fraction, default=RUN["min_retention"], metavar="F",
                         help="never take a step below this fraction of the unpruned tau (on the check prompts)")
     parser.add_argument("--per-step", type=_types.positive_int, default=RUN["per_step"], help="layers removed per step")
     parser.add_argument("--check-prompts", type=_types.non_negative_int, default=RUN["check_prompts"], metavar="N",
@@ -84,12 +87,12 @@ def add_parser(subparsers) -> None:
                         "optimism of the best of i noisy reads (standard errors of its retention on the check "
                         "prompts): the first of several tries that passes is selected on those prompts (0: judge "
                         "every try as it reads)")
-    parser.add_argument("--no-speedup-stop", action="store_true",
-                        help="do not stop when predicted speedup falls below the best so far")
+    parser.add_argument("--no-stop-on-speedup", dest="stop_on_speedup", action="store_false",
+                        help="do not stop when predicted speedup falls below the best so far (default: stop)")
     parser.add_argument("--speedup-tolerance", type=_types.fraction, default=RUN["speedup_tolerance"], metavar="F",
                         help="take a step whose predicted speedup is less than this fraction below the best so far "
                         "(0: every step must improve on the best)")
-    parser.add_argument("--no-carry-screen", action="store_true",
+    parser.add_argument("--no-carry-screen", dest="carry_screen", action="store_false",
                         help="screen every layer afresh in every scoring round (default: after the first step, "
                         "a round scores the previous round's --screen-keep lowest layers, and the others only "
                         "when those no longer score below them)")
@@ -99,13 +102,13 @@ def add_parser(subparsers) -> None:
     add_screen_args(parser)
     add_decode_args(parser)
     add_heal_data_arg(parser)
-    parser.add_argument("--heal-steps", type=_types.non_negative_int, default=HEAL["steps"],
+    parser.add_argument("--heal-steps", type=_types.non_negative_int, default=HEAL["steps"], metavar="N",
                         help="LoRA updates per heal (0: no healing)")
-    parser.add_argument("--lora-rank", type=_types.positive_int, default=HEAL["rank"], help="LoRA rank")
-    parser.add_argument("--lora-alpha", type=_types.positive_int, default=HEAL["alpha"],
+    parser.add_argument("--heal-rank", type=_types.positive_int, default=HEAL["rank"], help="LoRA rank")
+    parser.add_argument("--heal-alpha", type=_types.positive_int, default=HEAL["alpha"],
                         help="LoRA alpha (scale = alpha / rank)")
     parser.add_argument("--heal-lr", type=_types.positive_float, default=HEAL["lr"], help="LoRA learning rate")
-    parser.add_argument("--heal-distill", type=_types.fraction, default=HEAL["distill_weight"], metavar="W",
+    parser.add_argument("--heal-distill-weight", type=_types.fraction, default=HEAL["distill_weight"], metavar="W",
                         help="share of the heal loss that matches the unpruned drafter's predictions (KL) instead of "
                         "the target's tokens (1: KL only; 0: cross entropy on the target's tokens only)")
     parser.add_argument("--heal-min-drop", type=_types.fraction, default=HEAL["min_drop"], metavar="F",
@@ -126,6 +129,8 @@ def add_parser(subparsers) -> None:
                         help="write the final state as JSON ('-' = stdout)")
     add_tracking_args(parser)
     add_debug(parser)
+    for old, flag in OLD_FLAGS.items():
+        add_alias(parser, old, flag)
     parser.set_defaults(run=run)
 
 
@@ -191,19 +196,9 @@ def _run(args) -> int:
 
 
 def run_config(args, decode, healing: bool) -> RunConfig:
-    """The RunConfig of `prune run`'s flags (`healing`: there are heal examples; without, no heal steps)."""
-    return RunConfig(
-        layers_to_remove=args.layers_to_remove, min_retention=args.min_retention, per_step=args.per_step,
-        stop_on_speedup=not args.no_speedup_stop, speedup_tolerance=args.speedup_tolerance,
-        check_prompts=args.check_prompts, check_candidates=args.check_candidates,
-        check_tokens=args.check_tokens or None, check_try_discount=args.check_try_discount,
-        carry_screen=not args.no_carry_screen,
-        score=ScoreConfig(criterion=args.criterion, verify=args.verify, decode=decode, seed=args.seed,
-                          screen_prompts=args.screen_prompts, screen_keep=args.screen_keep),
-        heal=HealConfig(steps=args.heal_steps if healing else 0, rank=args.lora_rank, alpha=args.lora_alpha,
-                        lr=args.heal_lr, distill_weight=args.heal_distill, min_drop=args.heal_min_drop,
-                        seed=args.seed),
-    )
+    """The RunConfig of `prune run`'s flags and --config file (prune/commands/_settings.py) with the tuned
+    `decode` settings (`healing`: there are heal examples; without, no heal steps)."""
+    return build(args, "run", {"score.decode": decode, **({} if healing else {"heal.steps": 0})})
 
 
 def check_prompts_note(source: str, calibration: int, found: int, asked: int) -> str:

@@ -22,6 +22,8 @@ from ._common import (
     stdout_console,
     write_json,
 )
+from ._help import PAIR, PROMPTS
+from ._settings import build
 
 EXAMPLES = """
 examples:
@@ -40,6 +42,7 @@ def add_parser(subparsers) -> None:
         "measured by the async decoder on calibration prompts (replayed target trajectories by default), "
         "with a bootstrap confidence interval over prompts and the drafter's pass times without it. "
         "Layer indices are 0-based. Results are cached by drafter, target, prompts and settings." + EXAMPLES,
+        common=(*PAIR, *PROMPTS, "--criterion", "--json", "--config"),
     )
     add_model_args(parser)
     add_prompt_args(parser, default_suite="humaneval:calib", max_new_tokens=64, limit=16)
@@ -69,9 +72,7 @@ def run(args) -> int:
 
     pair, prompts, drafter_dir, target_path, source = load_pair_and_prompts(args)
     decode, times = decode_config(args, pair, max_new_tokens=args.max_new_tokens)
-    config = ScoreConfig(criterion=args.criterion, verify=args.verify, decode=decode, batch_size=args.batch_size,
-                         bootstrap=args.bootstrap, seed=args.seed, screen_prompts=args.screen_prompts,
-                         screen_keep=args.screen_keep)
+    config = build(args, "score", {"decode": decode})
     config.validate()
     ids = [p.input_ids for p in prompts]
     cache = cache_dir(args)

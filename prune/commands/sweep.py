@@ -7,7 +7,7 @@ import sys
 from decode.config import VERIFY_MODES
 from prune.config import ScoreConfig
 from sweeps import storages
-from sweeps.config import COSTS, MODES, PRUNERS, TRIAL_BOOTSTRAP, SweepConfig
+from sweeps.config import COSTS, MODES, PRUNERS, SweepConfig
 
 from . import _types
 from ._common import (
@@ -29,6 +29,8 @@ from ._common import (
     write_json,
 )
 from ._heal import add_heal_data_arg, heal_examples
+from ._help import PROMPTS
+from ._settings import build
 
 EXAMPLES = """
 examples:
@@ -52,9 +54,12 @@ def add_parser(subparsers) -> None:
         "predicted speedup subject to eval retention >= --retention-floor; two directions: Pareto front of "
         "retention vs cost. Workers running the same command against one --storage share the study; "
         "--n-trials is the study-wide number of trials that end COMPLETE or PRUNED." + EXAMPLES,
+        common=("--study", "--n-trials", "--summary", "--space", "--out", "--storage", "--directions", "--drafter",
+                "--target", *PROMPTS, "--heal-data", "--json", "--config"),
     )
-    parser.add_argument("--study", required=True, type=_types.name,
-                        help="study name (also the W&B group of its trials)")
+    parser.add_argument("--study", default=None, type=_types.name,
+                        help="study name, also the W&B group of its trials (default: none; give it here or as "
+                        "[sweep] study in --config)")
     parser.add_argument("--storage", default=None,
                         help=f"Optuna storage: {storages.examples()} (default: sqlite under --out)")
     parser.add_argument("--out", default=None, type=_types.output_dir,
@@ -103,11 +108,13 @@ def run(args) -> int:
     from sweeps.space import SearchSpace
     from sweeps.study import open_study, run_worker, summarize
 
-    out = args.out or f"sweep-{args.study}"
-    config = SweepConfig(study=args.study, out=out, directions=tuple(args.directions),
-                         retention_floor=args.retention_floor, cost=args.cost, seed=args.seed,
-                         export_dtype=args.export_dtype)
+    if not args.study:
+        from models.errors import ConfigError
+
+        raise ConfigError("name the study: --study NAME (or study in the [sweep] section of --config)")
+    config = build(args, "sweep", {"out": args.out or f"sweep-{args.study}"})
     config.validate()
+    out = config.out
     space = SearchSpace.from_file(args.space)
     storage = storages.make_storage(args.storage or f"sqlite:///{os.path.abspath(out)}/optuna.db", args.heartbeat,
                                     args.grace)
@@ -152,8 +159,7 @@ def _objective(args, config, space):
     evaluation = tokenize_records(prompt_records(evaluation_args)[0], pair.tokenizer, not args.no_chat_template)
     check_context(evaluation, args.max_new_tokens, pair.drafter.config.block_size, pair.max_positions)
     decode, times = decode_config(args, pair, max_new_tokens=args.max_new_tokens)
-    config.score = ScoreConfig(verify=args.verify, decode=decode, bootstrap=TRIAL_BOOTSTRAP, seed=args.seed)
-    config.heal = replace(config.heal, seed=args.seed)
+    config.score = replace(config.score, decode=decode)
     calibration_ids = [p.input_ids for p in calibration]
     evaluation_ids = [p.input_ids for p in evaluation]
     cache = cache_dir(args)

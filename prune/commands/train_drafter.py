@@ -10,6 +10,7 @@ from prune.training.config import TRAIN_DRAFTER_DEFAULTS as DEFAULTS
 
 from . import _types as t
 from ._common import add_command, add_debug
+from ._settings import build
 
 DESCRIPTION = "Train a block-diffusion drafter from scratch on distillation data of its target."
 
@@ -21,6 +22,7 @@ def add_parser(subparsers) -> None:
         help="train a drafter from scratch on distillation data (builds the demo drafter)",
         description=DESCRIPTION + "\n\nexample:\n  prune distill --out data/distill\n"
         "  prune train-drafter --data data/distill --out my-drafter --steps 2000",
+        common=("--data", "--out", "--target", "--steps", "--init-from", "--device", "--json", "--config"),
     )
     _add_data_args(parser)
     _add_loop_args(parser)
@@ -43,7 +45,7 @@ def run(args) -> int:
         from models.errors import ConfigError
 
         raise ConfigError("--split-idle splits the layers of a trained drafter; give it with --init-from DRAFTER")
-    folder = train_demo_drafter(args)
+    folder = train_demo_drafter(args, build(args, "train-drafter"))
     write_json(training_summary(folder), args.json)
     return 0
 

@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from models.provenance import FILE as PROMPTS_FILE, summary as prompt_summary, training_prompts_text
@@ -276,8 +277,10 @@ def replay_tau(examples, count: int, max_new_tokens: int, stop_ids: tuple[int, .
     return evaluate
 
 
-def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
-    """Build, train and save the drafter described by `args` (the parsed CLI flags); return the folder.
+def train_demo_drafter(args: argparse.Namespace, config, eval_fn=None) -> Path:
+    """Build, train and save the drafter described by `args` (the parsed CLI flags) with the loop settings
+    `config` (a TrainConfig; its device-dependent bf16 and its checkpoint folder are filled in here); return
+    the folder.
 
     Holds the locks (models.lock) of --out and of the checkpoint folder while it trains: a second run on
     either fails at once. A run killed at any moment and rerun with the same flags resumes from its last
@@ -307,11 +310,12 @@ def train_demo_drafter(args: argparse.Namespace, eval_fn=None) -> Path:
         raise DataError("--out is required (the folder the trained drafter is written to)")
     out = ensure_writable_output(args.out, args.overwrite)
     checkpoint_dir = Path(args.checkpoint_dir or f"{out}-checkpoints")
+    config = replace(config, bf16=bf16, checkpoint_dir=str(checkpoint_dir))
     with output_lock(out), output_lock(checkpoint_dir):
-        return _train_and_save(args, out, checkpoint_dir, device, bf16, eval_fn)
+        return _train_and_save(args, out, config, device, eval_fn)
 
 
-def _train_and_save(args: argparse.Namespace, out: Path, checkpoint_dir: Path, device, bf16: bool, eval_fn) -> Path:
+def _train_and_save(args: argparse.Namespace, out: Path, config, device, eval_fn) -> Path:
     """The body of `train_demo_drafter` once its outputs are locked: build, train, keep the best, save."""
     import shutil
 
@@ -319,7 +323,6 @@ def _train_and_save(args: argparse.Namespace, out: Path, checkpoint_dir: Path, d
 
     from models.drafter import save_drafter
 
-    from .config import TrainConfig
     from .loop import CHECKPOINT_STATE, train
 
     manifests = [read_manifest(folder) for folder in args.data]
@@ -334,13 +337,7 @@ def _train_and_save(args: argparse.Namespace, out: Path, checkpoint_dir: Path, d
 
     heldout, training = split_examples(args.data, data_weights(args), args.eval_size, args.seed, args.partial_data,
                                        args.eval_data)
-    config = TrainConfig(
-        steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
-        warmup_steps=args.warmup_steps, blocks_per_sequence=args.blocks_per_sequence, max_length=args.max_length,
-        gamma=args.gamma, ar_weight=args.ar_weight, seed=args.seed, bf16=bf16, eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every, checkpoint_dir=str(checkpoint_dir), progress=not args.no_progress,
-        max_seconds=args.max_seconds,
-    )
+    checkpoint_dir = Path(config.checkpoint_dir)
     start = time.perf_counter()
     if eval_fn is None and args.eval_tau:
         from models.pair import stop_ids_of
