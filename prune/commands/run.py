@@ -13,6 +13,7 @@ from ._common import (
     add_command,
     add_debug,
     add_decode_args,
+    add_prescreen_args,
     add_screen_args,
     add_export_dtype_arg,
     add_model_args,
@@ -28,13 +29,14 @@ from ._common import (
     show_progress,
     write_json,
 )
-from ._heal import add_heal_data_arg, heal_examples
+from ._heal import add_heal_data_arg, add_loss_data_arg, heal_examples, loss_data
 
 EXAMPLES = """
 examples:
   prune run --out pruned --layers-to-remove 5 --heal-data data/distill        (the demo pair)
   prune run --drafter D --target T --prompts calib.jsonl --out pruned --min-retention 0.98 --heal-steps 0
   prune run --out pruned --resume                                             (continue an interrupted run)
+  prune run --out pruned --layers-to-remove 5 --prescreen block-influence     (tau measured for 12 layers a round)
 """
 RUN, SCORE, HEAL = defaults(RunConfig), defaults(ScoreConfig), defaults(HealConfig)
 
@@ -96,6 +98,8 @@ def add_parser(subparsers) -> None:
                         help=f"layer scoring criterion ({describe()})")
     parser.add_argument("--verify", choices=VERIFY_MODES, default=SCORE["verify"], help="verification in scoring")
     add_screen_args(parser)
+    add_prescreen_args(parser)
+    add_loss_data_arg(parser)
     add_decode_args(parser)
     add_heal_data_arg(parser)
     parser.add_argument("--heal-steps", type=_types.non_negative_int, default=HEAL["steps"],
@@ -111,7 +115,7 @@ def add_parser(subparsers) -> None:
                         help="heal a step only when its drafter has lost at least this fraction of the unpruned "
                         "tau (on the check prompts; 0: heal every step)")
     parser.add_argument("--seed", type=_types.non_negative_int, default=SCORE["seed"],
-                        help="seeds healing and the bootstrap")
+                        help="seeds healing, the bootstrap, the loss criterion's draw and the random criterion")
     add_export_dtype_arg(parser)
     parser.add_argument("--speed-suite", default="humaneval:eval", metavar="NAME[:train|:calib|:eval] | FILE.jsonl",
                         type=_types.suite_or_prompt_file,
@@ -197,7 +201,9 @@ def run_config(args, decode, healing: bool) -> RunConfig:
         check_tokens=args.check_tokens or None, check_try_discount=args.check_try_discount,
         carry_screen=not args.no_carry_screen,
         score=ScoreConfig(criterion=args.criterion, verify=args.verify, decode=decode, seed=args.seed,
-                          screen_prompts=args.screen_prompts, screen_keep=args.screen_keep),
+                          screen_prompts=args.screen_prompts, screen_keep=args.screen_keep,
+                          prescreen=args.prescreen, prescreen_keep=args.prescreen_keep,
+                          loss_data=loss_data(args, (args.criterion, args.prescreen))),
         heal=HealConfig(steps=args.heal_steps if healing else 0, rank=args.lora_rank, alpha=args.lora_alpha,
                         lr=args.heal_lr, distill_weight=args.heal_distill, min_drop=args.heal_min_drop,
                         seed=args.seed),
