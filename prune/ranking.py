@@ -180,7 +180,8 @@ def loss_without_each_layer(drafter, inputs: RankInputs) -> list[float]:
 def seeded_order(drafter, seed: int) -> list[float]:
     """Per layer, a uniform draw keyed by `seed` and the layer's original index: the layers of any drafter pruned
     from the same one keep their relative order."""
-    return [random.Random(f"random criterion {seed} {original}").random() for original in original_layers(drafter.config)]
+    return [random.Random(f"random criterion {seed} {original}").random()
+            for original in original_layers(drafter.config)]
 
 
 def _unmeasured(layer: int, original: int, score: float, pass_ms: tuple, skipped: bool | None) -> LayerScore:

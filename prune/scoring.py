@@ -131,7 +131,7 @@ class ScoreReport:
     """Scores of every layer of one drafter, plus the unpruned baseline (JSON-ready via `to_dict`; `base` None in
     the round of a ranking criterion, which runs no decoder)."""
 
-    base: Evaluation
+    base: Evaluation | None
     base_draft_pass_ms: float
     base_packed_pass_ms: float
     base_predicted_speedup: float | None
@@ -343,6 +343,8 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
     pre-screen (ScoreConfig.prescreen) only the layers it keeps are evaluated (prune.ranking.prescreen; the
     others are recorded as skipped), and carried scores are not used.
     """
+    from .ranking import prescreen, rank_round
+
     config.validate()
     if config.needs_trajectories and trajectories is None:
         if target is None:
@@ -350,8 +352,6 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
                               "trajectories, or trajectories")
         trajectories = record_trajectories(target, prompts, config.decode)
     if CRITERIA[config.criterion].ranks_round:
-        from .ranking import rank_round
-
         return rank_round(drafter, prompts, config, trajectories, layer_costs, journal, on_layer)
     if config.verify == "live" and target is None:
         raise ConfigError("live scoring needs the target model")
@@ -366,8 +366,6 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
                         config.needs_expected_tau)
 
     journal = journal if journal is not None else ScoringMemory()
-    from .ranking import prescreen
-
     skipped = prescreen(drafter, prompts, config, trajectories, journal, layer_costs)
     carried = None if config.prescreen else carried
     if screen and journal.screen_base is None:

@@ -219,3 +219,48 @@ def test_settings_a_round_does_not_read_stay_out_of_its_cache_key():
     unread = ScoreConfig(decode=DecodeConfig(max_new_tokens=8), loss_data=("data",), prescreen_keep=3)
     assert unread.key_record() == plain.key_record()
     assert ScoreConfig(criterion="loss", loss_data=("data",)).key_record()["loss_data"] == ["data"]
+
+
+def test_the_comparison_table_reads_retention_and_its_paired_error_off_the_benches(tmp_path):
+    """scripts/criteria_compare.py: a drafter's held-out retention is the ratio of its mean per-prompt tau to the
+    unpruned drafter's on the same prompts, with decode.metrics.paired_ratio_error as its standard error."""
+    import importlib.util
+    from pathlib import Path
+
+    from decode.metrics import paired_ratio_error
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "criteria_compare.py"
+    spec = importlib.util.spec_from_file_location("criteria_compare", path)
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    rows = {"base": {"tau_per_prompt": [3.0, 4.0, 5.0]}, "pruned": {"tau_per_prompt": [3.0, 3.0, 4.5]},
+            "short": {"tau_per_prompt": [3.0, 3.0]}}
+    kept = compare.retention(rows, "pruned", "base")
+    assert kept["value"] == pytest.approx(10.5 / 12) and kept["prompts"] == 3
+    assert kept["se"] == paired_ratio_error([3.0, 3.0, 4.5], [3.0, 4.0, 5.0]) > 0
+    assert compare.retention(rows, "short", "base") is None  # unpaired lists give no retention
+    document = {"base": {"drafter": "base", "humaneval:eval": 4.0},
+                "rows": [{"name": "last", "removed": 1, "layers": [35], "scoring_wall_s": 0.5,
+                          "retention": {"humaneval:eval": kept}}]}
+    assert "| last | 1 | 35 | 87.5% ± " in compare.markdown(document)
+
+
+def test_prune_score_prints_a_ranking_and_names_the_skipped_layers(tmp_path, capsys):
+    from _pairs import save_tiny_pair
+    from prune.cli import main
+
+    root = save_tiny_pair(tmp_path, drafter_layers=3)
+    (root / "prompts.jsonl").write_text("\n".join(json.dumps({"id": f"p{i}", "input_ids": list(range(5, 9 + i))})
+                                                  for i in range(3)))
+    pair = ["--drafter", str(root / "drafter"), "--target", str(root / "target"), "--prompts",
+            str(root / "prompts.jsonl"), "--max-new-tokens", "8", "--bootstrap", "20", "--cache-dir", str(tmp_path)]
+    assert main(["score", *pair, "--criterion", "block-influence", "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["base"] is None and [s["layer"] for s in report["layers"]] == [0, 1, 2]
+    assert all(s["tau_without"] is None and s["score"] >= 0 for s in report["layers"])
+    assert main(["score", *pair, "--criterion", "angular"]) == 0  # the table, without decoder columns
+    assert "(angular), least harmful first" in capsys.readouterr().out
+    assert main(["score", *pair, "--prescreen", "last", "--prescreen-keep", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "pre-screen by last: tau measured for 2 layers; skipped original layers 0" in captured.err
+    assert "skipped" in captured.out and "pre-screened by last" in captured.out
