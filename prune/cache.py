@@ -18,7 +18,6 @@ resumed run continues its own round rather than another run's).
 import hashlib
 import json
 import platform
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -105,7 +104,7 @@ def score_key(drafter, target, prompts: list[list[int]], config, timing: dict) -
     prune.config.ScoreConfig) and the campaign timing the scores' pass times come from (as a dict).
     The same in `prune score`, `prune run` and every sweep trial."""
     return fingerprint("scores v2", *model_identity(drafter), trajectory_key(target, prompts, config.decode), prompts,
-                       asdict(config), timing)
+                       config.key_record(), timing)
 
 
 def cached_json(folder: Path | None, key: str, compute, store: bool = True):

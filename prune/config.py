@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from decode.config import VERIFY_MODES, DecodeConfig
 from models.errors import ConfigError, one_of
 
-from .criteria import CRITERIA, DEFAULT_CRITERION
+from .criteria import CRITERIA, DEFAULT_CRITERION, rankings
 from .training.config import TrainConfig
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -19,8 +19,10 @@ class ScoreConfig:
     """How layers are scored (prune.scoring).
 
     Attributes:
-        criterion: a name of prune.criteria.CRITERIA: "tau" (drop in mean acceptance length), "speedup"
-            (drop in predicted speedup) or "expected-tau" (drop in expected acceptance length).
+        criterion: a name of prune.criteria.CRITERIA: a per-layer effect measured through the decoder ("tau":
+            drop in mean acceptance length, "speedup": drop in predicted speedup, "expected-tau": drop in
+            expected acceptance length) or a ranking of the whole round without it ("block-influence",
+            "angular", "loss", "last", "random"; prune.ranking).
         verify: "replay" (recorded target trajectories; drafter cost only) or "live".
         decode: decoder settings (greedy; max_new_tokens, budget, stop ids).
         batch_size: prompts per batched drafter pass in replay.
@@ -34,6 +36,13 @@ class ScoreConfig:
             every prompt. (A layer that scores far above the least harmful ones on half the prompts is not
             removed in this step whatever the other half says; the round then costs about two thirds.)
         screen_keep: layers scored on every prompt after the first pass (at least the layers a step removes).
+        prescreen: None, or a ranking criterion (prune.criteria.rankings) that ranks every layer first: only the
+            `prescreen_keep` layers it ranks most removable are measured by `criterion`; the others are recorded
+            as skipped (LayerScore.skipped) and rank after every measured layer.
+        prescreen_keep: layers a pre-screen leaves to be measured (at least the layers a step removes).
+        loss_data: distillation data folders (prune distill output) the "loss" criterion reads (held-in
+            data: what the drafter was trained on); empty where nothing reads them.
+        loss_examples: sequences drawn from them (seeded by `seed`), 16 blocks each.
     """
 
     criterion: str = DEFAULT_CRITERION
@@ -46,6 +55,10 @@ class ScoreConfig:
     seed: int = 0
     screen_prompts: int = 8
     screen_keep: int = 12
+    prescreen: str | None = None
+    prescreen_keep: int = 12
+    loss_data: tuple[str, ...] = ()
+    loss_examples: int = 64
 
     @property
     def needs_expected_tau(self) -> bool:
@@ -54,8 +67,25 @@ class ScoreConfig:
 
     @property
     def needs_trajectories(self) -> bool:
-        """Scoring reads the target's recorded trajectories: to replay them, or for expected acceptance."""
-        return self.verify == "replay" or self.needs_expected_tau
+        """Scoring reads the target's recorded trajectories: to replay them, for expected acceptance, or as the
+        inputs of a ranking (its own or the pre-screen's; a ranking criterion's round replays nothing)."""
+        if CRITERIA[self.criterion].ranks_round:
+            return "trajectories" in self.reads
+        return self.verify == "replay" or self.needs_expected_tau or "trajectories" in self.reads
+
+    @property
+    def reads(self) -> set:
+        """What the round's rankings (the criterion's, the pre-screen's) run the drafter on (Ranking.reads)."""
+        names = [self.criterion] + ([self.prescreen] if self.prescreen else [])
+        return {CRITERIA[name].reads for name in names if name in CRITERIA and CRITERIA[name].reads}
+
+    def key_record(self) -> dict:
+        """The settings as a round's cache key holds them (prune.cache.score_key): those of the pre-screen and of
+        the loss criterion only where the round reads them, so that rounds which do not share their entries
+        (those written before these settings existed included)."""
+        unread = [] if self.prescreen else ["prescreen", "prescreen_keep"]
+        unread += [] if "loss data" in self.reads else ["loss_data", "loss_examples"]
+        return {k: v for k, v in settings_record(self).items() if k not in unread}
 
     def screen(self, prompts: int) -> int:
         """Prompts of the first pass for a round on `prompts` prompts (0: no screening)."""
@@ -73,6 +103,23 @@ class ScoreConfig:
         if self.screen_prompts < 0 or self.screen_keep < 1:
             raise ConfigError(f"--screen-prompts {self.screen_prompts} must be >= 0 and --screen-keep "
                               f"{self.screen_keep} >= 1")
+        self._validate_rankings()
+
+    def _validate_rankings(self) -> None:
+        """The pre-screen and what the rankings read."""
+        if self.prescreen is not None:
+            if self.prescreen not in rankings():
+                raise ConfigError(f"unknown pre-screen {self.prescreen!r}; choose {one_of(rankings())} (--prescreen)")
+            if CRITERIA[self.criterion].ranks_round:
+                measured = [name for name in CRITERIA if name not in rankings()]
+                raise ConfigError(f"--criterion {self.criterion} ranks every layer without the decoder, so there is "
+                                  f"nothing to pre-screen; drop --prescreen, or choose --criterion {one_of(measured)}")
+        if self.prescreen_keep < 1 or self.loss_examples < 1:
+            raise ConfigError(f"--prescreen-keep {self.prescreen_keep} and loss examples {self.loss_examples} must "
+                              "be >= 1")
+        if "loss data" in self.reads and not self.loss_data:
+            raise ConfigError("the loss criterion needs held-in distillation data; pass --loss-data DIR (prune "
+                              "distill output)")
 
 
 @dataclass(frozen=True)
@@ -239,6 +286,9 @@ class RunConfig:
         if self.check_prompts < 0 or self.check_candidates < 1:
             raise ConfigError(f"--check-prompts {self.check_prompts} must be >= 0 and --check-candidates "
                               f"{self.check_candidates} >= 1")
+        if self.score.prescreen and self.per_step > self.score.prescreen_keep:
+            raise ConfigError(f"--per-step {self.per_step} removes more layers than the {self.score.prescreen_keep} "
+                              "that the pre-screen leaves; raise --prescreen-keep")
         if self.score.screen_prompts and self.per_step > self.score.screen_keep:
             raise ConfigError(f"--per-step {self.per_step} removes more layers than the {self.score.screen_keep} "
                               "that screening scores on every prompt; raise --screen-keep or pass "

@@ -35,6 +35,7 @@ from .export import export_step, resolve_export_dtype, round_to_dtype
 from .heal import heal
 from .journal import ScoringJournal, remove_journals
 from .progress import clock, progress_bar
+from .ranking import skipped_note
 from .report import write_report
 from .scoring import (Evaluation, ScoreReport, cached_scores, carried_scores, evaluate, expected_best_of,
                       retention_error, round_evaluations)
@@ -294,8 +295,11 @@ def _score_round(run: _Run, current, state: RunState, take: int) -> ScoreReport:
                                trajectories=c.trajectories, on_layer=lambda *_: advance(), journal=journal,
                                store=False, carried=carried, take=take,
                                on_total=lambda total: advance(0, total=total))
-    fresh = sum(s.age is None for s in report.layers)
+    fresh = sum(s.age is None and not s.skipped for s in report.layers)
     run.log(f"step {step}: scored {fresh} of {layers} layers in this round ({clock(time.monotonic() - started)})")
+    skipped = skipped_note(report.to_dict())
+    if skipped:
+        run.log(f"step {step}: {skipped}")
     return report
 
 
@@ -326,7 +330,7 @@ def _take_step(run: _Run, current, scores: ScoreReport, k: int, state: RunState)
     tried = []  # (judged tau, chosen, drafter, its Evaluation), in the order tried
     for index, chosen in enumerate(options):
         reduced = round_to_dtype(remove_layers(current, chosen), run.dtype)
-        if len(chosen) == 1 and not run.campaign.check_prompts:
+        if len(chosen) == 1 and not run.campaign.check_prompts and scores.layers[chosen[0]].tau_without is not None:
             # judged on the calibration prompts: scoring already measured the drafter without exactly this layer
             removed = scores.layers[chosen[0]]
             before = Evaluation([], removed.tau_without, None, removed.fallback_rate, removed.verify_width,

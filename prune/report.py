@@ -96,7 +96,8 @@ def _heatmap(out: Path, state: RunState) -> Path | None:
     grid = np.full((len(state.history), width), np.nan)
     for row, h in enumerate(state.history):
         for s in h.scores:
-            grid[row, s.original_layer] = s.score
+            if not s.skipped:  # a pre-screen's score is on another scale
+                grid[row, s.original_layer] = s.score
     fig, ax = plt.subplots(figsize=(max(6, width * 0.3), 1.5 + 0.4 * len(grid)))
     image = ax.imshow(grid, aspect="auto", cmap="viridis")
     ax.set_xticks(range(width), [str(i) for i in range(width)], fontsize=7)

@@ -101,7 +101,10 @@ class LayerScore:
     its first pass; None in reports from before screening). `age`: None for a score measured in this round;
     k for one carried from the round k steps before (a campaign's round that screens by the previous
     round's ranking keeps the old score of a layer it does not evaluate again). `expected_tau_without`: the
-    expected acceptance length without the layer, where the criterion measures it."""
+    expected acceptance length without the layer, where the criterion measures it. A ranking criterion's
+    score (prune.ranking) measures nothing through the decoder: tau_without, fallback_rate, delta_tau, the
+    interval and predicted_speedup are None. `skipped`: True for a layer a pre-screen left unmeasured
+    (ScoreConfig.prescreen; its score is the pre-screen's, and it ranks after every measured layer)."""
 
     layer: int
     original_layer: int
@@ -120,13 +123,15 @@ class LayerScore:
     prompts: int | None = None
     age: int | None = None
     expected_tau_without: float | None = None
+    skipped: bool | None = None
 
 
 @dataclass
 class ScoreReport:
-    """Scores of every layer of one drafter, plus the unpruned baseline (JSON-ready via `to_dict`)."""
+    """Scores of every layer of one drafter, plus the unpruned baseline (JSON-ready via `to_dict`; `base` None in
+    the round of a ranking criterion, which runs no decoder)."""
 
-    base: Evaluation
+    base: Evaluation | None
     base_draft_pass_ms: float
     base_packed_pass_ms: float
     base_predicted_speedup: float | None
@@ -148,7 +153,7 @@ class ScoreReport:
     @classmethod
     def from_dict(cls, document: dict) -> "ScoreReport":
         """The report of `to_dict` (or of the JSON it was saved as)."""
-        fields = {**document, "base": Evaluation(**document["base"]),
+        fields = {**document, "base": Evaluation(**document["base"]) if document["base"] else None,
                   "layers": [LayerScore(**s) for s in document["layers"]]}
         return cls(**fields)
 
@@ -156,7 +161,7 @@ class ScoreReport:
 def rank_key(scores: list[LayerScore]):
     """The sort key of `ScoreReport.ranking` for the layer scores `scores` of one round."""
     every = max((s.prompts or 0) for s in scores) if scores else 0
-    return lambda s: ((s.age or 0) > 0, (s.prompts or every) < every, s.score, s.layer)
+    return lambda s: (bool(s.skipped), (s.age or 0) > 0, (s.prompts or every) < every, s.score, s.layer)
 
 
 def carried_scores(previous: list[LayerScore], removed: list[int]) -> list[LayerScore]:
@@ -271,6 +276,11 @@ class ScoringMemory:
         self.layers[score.layer] = score
         self._save()
 
+    def add_layers(self, scores: list[LayerScore]) -> None:
+        """Record several final scores at once (a pre-screen's skipped layers: all of them or none)."""
+        self.layers.update({score.layer: score for score in scores})
+        self._save()
+
     def record(self, base: Evaluation, layers: list[LayerScore]) -> None:
         """Record a whole round at once (one taken from the score cache)."""
         self.base = base
@@ -285,7 +295,12 @@ def round_evaluations(config: ScoreConfig, layers: int, prompts: int, carried: b
     """Evaluations (calls of `on_layer`) in a scoring round of `layers` layers on `prompts` prompts: one per
     layer, and one more per layer that a screening round scores on the rest of the prompts. A screening round
     with `carried` scores (score_layers) evaluates only the carried candidates, unless they fail its check
-    (score_layers then reports its new total through `on_total`)."""
+    (score_layers then reports its new total through `on_total`). A ranking criterion's round calls it once per
+    layer; a pre-screened round evaluates only the layers the pre-screen keeps, and carries no scores."""
+    if CRITERIA[config.criterion].ranks_round:
+        return layers
+    if config.prescreen:
+        layers, carried = min(layers, config.prescreen_keep), False
     if not config.screen(prompts):
         return layers
     return min(config.screen_keep, layers) if carried else layers + min(config.screen_keep, layers)
@@ -323,13 +338,21 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
             other carried score, the others keep their carried scores, else they get a first pass and the
             round screens as usual. Without screening, carried scores are not used.
         take: layers the caller removes after this round (the check above).
+
+    A ranking criterion scores the round at once without the decoder (prune.ranking.rank_round). With a
+    pre-screen (ScoreConfig.prescreen) only the layers it keeps are evaluated (prune.ranking.prescreen; the
+    others are recorded as skipped), and carried scores are not used.
     """
+    from .ranking import prescreen, rank_round
+
     config.validate()
     if config.needs_trajectories and trajectories is None:
         if target is None:
             raise ConfigError(f"{config.verify} scoring by {config.criterion} needs the target once to record "
                               "trajectories, or trajectories")
         trajectories = record_trajectories(target, prompts, config.decode)
+    if CRITERIA[config.criterion].ranks_round:
+        return rank_round(drafter, prompts, config, trajectories, layer_costs, journal, on_layer)
     if config.verify == "live" and target is None:
         raise ConfigError("live scoring needs the target model")
     block = config.decode.block_size or drafter.config.block_size
@@ -343,6 +366,8 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
                         config.needs_expected_tau)
 
     journal = journal if journal is not None else ScoringMemory()
+    skipped = prescreen(drafter, prompts, config, trajectories, journal, layer_costs)
+    carried = None if config.prescreen else carried
     if screen and journal.screen_base is None:
         journal.add_base(journal.base, run(drafter, first))
     if journal.base is None:
@@ -412,7 +437,7 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
             on_total(len(candidates) + rest + min(config.screen_keep, rest))
         screen_speedup = speedup_of(screen_base)
         first_pass = {}  # layer -> (its evaluation on the first prompts, its score there); screening rounds only
-        for layer in (layer for layer in range(layers) if layer not in candidates):
+        for layer in (layer for layer in range(layers) if layer not in candidates and layer not in skipped):
             if layer in journal.screened or layer in journal.layers:
                 first_pass[layer] = journal.screened.get(layer)
                 done(layer, first_pass[layer][1] if first_pass[layer] else journal.layers[layer])
@@ -452,6 +477,7 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
                 "prompts": len(prompts), "screen_prompts": screen,
                 "screen_keep": config.screen_keep if screen else None, "bootstrap": config.bootstrap,
                 "confidence": config.confidence, "seed": config.seed,
+                "prescreen": config.prescreen, "prescreen_keep": config.prescreen_keep if config.prescreen else None,
                 "layers": "0-based; original_layer = index in the unpruned drafter"}
     verify_ms = times.verify_ms(base.width or block) if times is not None else None
     return ScoreReport(base, base_draft_ms, base_packed_ms, base_speedup, verify_ms,

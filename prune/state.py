@@ -17,8 +17,9 @@ step, in this form (times in ms, tau in committed tokens per target pass, layer 
 `RunState.from_dict` reads every form this tool has written: timing from before the cost model
 (`{"layers", "draft_ms", "packed_ms", "verify_ms", "ar_ms"}`, written back as it was read) and layer
 scores without the fields added later (read as None; `prompts`, added with screening, `age`, added
-with carried screening, and `expected_tau_without`, added with the expected-tau criterion, are written back
-absent).
+with carried screening, `expected_tau_without`, added with the expected-tau criterion, and `skipped`, added
+with the pre-screen, are written back absent). A ranking criterion's scores (prune.ranking) hold None where
+the decoder measured nothing (tau_without, delta_tau, the interval, predicted_speedup).
 """
 
 import json
@@ -191,7 +192,7 @@ class StepRecord:
         if not scores:
             del record["scores"]
         for score in record.get("scores", []):
-            for added in ("prompts", "age", "expected_tau_without"):  # absent from older scores: written back as read
+            for added in ("prompts", "age", "expected_tau_without", "skipped"):  # absent from older scores: as read
                 if score[added] is None:
                     del score[added]
         return record

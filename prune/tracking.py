@@ -248,7 +248,7 @@ class Tracker:
         table = _score_table(report["layers"], 0)
         run.log({"layer_scores": table,
                  "layer_scores_bar": wandb.plot.bar(table, "original_layer_name", "score", title="layer scores")})
-        run.summary.update(_numbers({"base/tau": report["base"]["tau"],
+        run.summary.update(_numbers({"base/tau": (report["base"] or {}).get("tau"),
                                      "base/predicted_speedup": report.get("base_predicted_speedup")}))
 
     @_safe

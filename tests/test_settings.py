@@ -115,7 +115,7 @@ BAD = [
     ("[run]\nstop_on_speedup = 1", "[run] stop_on_speedup = 1 is not true or false"),
     ("[heal]\nrank = 2.5", "[heal] rank = 2.5 is not an integer"),
     ('[heal]\ntarget_modules = ["q_proj", 3]', "[heal] target_modules = [\"q_proj\", 3] is not a list of strings"),
-    ('[score]\ncriterion = "loss"', "[score] criterion = \"loss\": choose tau, speedup or expected-tau"),
+    ('[score]\ncriterion = "losss"', "[score] criterion = \"losss\": choose tau, speedup, expected-tau, block-influence"),
     ("min_retention = 0.5", "min_retention is outside a section; put it under [run]"),
     ("[tuning]\nsteps = 1", "unknown section [tuning]; prune run reads [run], [score], [decode], [heal]"),
     ("[decode]\ntemperature = 0.5", "[decode] temperature is no setting of prune run"),

@@ -40,7 +40,8 @@ def test_a_criterion_is_one_entry_and_its_function(monkeypatch):
     def fallback_rise(effect) -> float:
         return effect.base.fallback_rate - effect.without.fallback_rate
 
-    with pytest.raises(ConfigError, match="choose tau, speedup or expected-tau"):
+    with pytest.raises(ConfigError, match="choose tau, speedup, expected-tau, block-influence, angular, loss, last or "
+                       "random"):
         ScoreConfig(criterion="fallback").validate()
     monkeypatch.setitem(CRITERIA, "fallback", Criterion("fallback", "rise in fallback drafts", fallback_rise))
     report = score_layers(drafter, prompts, ScoreConfig(criterion="fallback", decode=decode, timing_repeats=1),

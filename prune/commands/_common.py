@@ -193,6 +193,18 @@ def add_screen_args(parser) -> None:
                         help="layers scored on every prompt after the first pass (at least --per-step)")
 
 
+def add_prescreen_args(parser) -> None:
+    """The scoring round's pre-screen flags (prune.config.ScoreConfig.prescreen)."""
+    from prune.criteria import rankings
+
+    parser.add_argument("--prescreen", choices=rankings(), default=SCORE["prescreen"], metavar="CRITERION",
+                        help=f"rank every layer by this criterion first ({', '.join(rankings())}; no decoder) and "
+                        "measure --criterion only for the --prescreen-keep most removable; the others are recorded "
+                        "as skipped (default: none, every layer measured)")
+    parser.add_argument("--prescreen-keep", type=_types.positive_int, default=SCORE["prescreen_keep"], metavar="K",
+                        help="layers a --prescreen leaves to be measured (at least --per-step)")
+
+
 def decode_config(args, pair, drafter=None, log=None, **fields):
     """The DecodeConfig of `add_decode_args` flags for `pair` (and `drafter`, default the pair's), and the
     pair's pass times (decode.cost.PassTimes; the adaptive width policy is derived from them): the one

@@ -1,6 +1,6 @@
 """Healing data of `prune run`, `prune sweep` and `prune heal`: the --heal-data flags, the demo drafter's default
 mix, and loading the examples they name (one resolver, so that every command heals the demo drafter on the same
-data it was last trained on)."""
+data it was last trained on); the same resolver gives the loss criterion its held-in data (--loss-data)."""
 
 import sys
 
@@ -16,6 +16,26 @@ def add_heal_data_arg(parser) -> None:
     parser.add_argument("--heal-data-weights", default=None, metavar="W", nargs="+", type=_types.positive_int,
                         help="repeat each --heal-data folder's sequences this many times (default: 1 each; the "
                         "demo mix's own weights with its folders)")
+
+
+def add_loss_data_arg(parser) -> None:
+    """--loss-data DIR [DIR ...]: the held-in data of the `loss` criterion (prune score, run, sweep)."""
+    parser.add_argument("--loss-data", default=None, metavar="DIR", nargs="+", type=_types.data_dir,
+                        help="distillation data folders (prune distill output) on which the loss criterion measures "
+                        "the drafter's training loss without each layer (default: the demo drafter's shipped "
+                        "folders, models/demo.py DEMO_HEAL_DATA, with the demo drafter)")
+
+
+def loss_data(args, criteria) -> tuple[str, ...]:
+    """The --loss-data folders of `args` (or the demo drafter's shipped ones) when one of the `criteria` names
+    (--criterion, --prescreen; None skipped) reads held-in data, else (): settings that nothing reads stay out
+    of a run's record and cache keys."""
+    from prune.criteria import CRITERIA
+
+    if not any(name and CRITERIA[name].reads == "loss data" for name in criteria):
+        return ()
+    chosen = heal_data(args.loss_data, None, args.drafter, flags="--loss-data")
+    return tuple(chosen[0]) if chosen else ()
 
 
 def heal_data(folders: list[str] | None, weights: list[int] | None, drafter: str | None,

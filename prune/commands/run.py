@@ -14,6 +14,7 @@ from ._common import (
     add_command,
     add_debug,
     add_decode_args,
+    add_prescreen_args,
     add_screen_args,
     add_export_dtype_arg,
     add_model_args,
@@ -29,7 +30,7 @@ from ._common import (
     show_progress,
     write_json,
 )
-from ._heal import add_heal_data_arg, heal_examples
+from ._heal import add_heal_data_arg, add_loss_data_arg, heal_examples, loss_data
 from ._help import PROMPTS, add_alias
 from ._settings import build
 
@@ -38,6 +39,7 @@ examples:
   prune run --out pruned --layers-to-remove 5              (the demo pair and its heal data)
   prune run --drafter D --target T --prompts calib.jsonl --heal-data data/distill --out pruned
   prune run --out pruned --resume                          (continue an interrupted run)
+  prune run --out pruned --layers-to-remove 5 --prescreen block-influence   (tau for 12 layers a round)
 """
 RUN, SCORE, HEAL = defaults(RunConfig), defaults(ScoreConfig), defaults(HealConfig)
 # Flags renamed to their settings' names (prune/commands/_settings.py); the old spellings still work.
@@ -100,6 +102,8 @@ def add_parser(subparsers) -> None:
                         help=f"layer scoring criterion ({describe()})")
     parser.add_argument("--verify", choices=VERIFY_MODES, default=SCORE["verify"], help="verification in scoring")
     add_screen_args(parser)
+    add_prescreen_args(parser)
+    add_loss_data_arg(parser)
     add_decode_args(parser)
     add_heal_data_arg(parser)
     parser.add_argument("--heal-steps", type=_types.non_negative_int, default=HEAL["steps"], metavar="N",
@@ -115,7 +119,7 @@ def add_parser(subparsers) -> None:
                         help="heal a step only when its drafter has lost at least this fraction of the unpruned "
                         "tau (on the check prompts; 0: heal every step)")
     parser.add_argument("--seed", type=_types.non_negative_int, default=SCORE["seed"],
-                        help="seeds healing and the bootstrap")
+                        help="seeds healing, the bootstrap, the loss criterion's draw and the random criterion")
     add_export_dtype_arg(parser)
     add_max_shard_size_arg(parser)
     parser.add_argument("--speed-suite", default="humaneval:eval", metavar="NAME[:train|:calib|:eval] | FILE.jsonl",
@@ -198,7 +202,8 @@ def _run(args) -> int:
 def run_config(args, decode, healing: bool) -> RunConfig:
     """The RunConfig of `prune run`'s flags and --config file (prune/commands/_settings.py) with the tuned
     `decode` settings (`healing`: there are heal examples; without, no heal steps)."""
-    return build(args, "run", {"score.decode": decode, **({} if healing else {"heal.steps": 0})})
+    overrides = {"score.decode": decode, "score.loss_data": loss_data(args, (args.criterion, args.prescreen))}
+    return build(args, "run", {**overrides, **({} if healing else {"heal.steps": 0})})
 
 
 def check_prompts_note(source: str, calibration: int, found: int, asked: int) -> str:

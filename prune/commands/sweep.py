@@ -28,7 +28,7 @@ from ._common import (
     stdout_console,
     write_json,
 )
-from ._heal import add_heal_data_arg, heal_examples
+from ._heal import add_heal_data_arg, add_loss_data_arg, heal_examples, loss_data
 from ._help import PROMPTS
 from ._settings import build
 
@@ -97,6 +97,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--verify", choices=VERIFY_MODES, default=SCORE["verify"], help="verification in scoring")
     add_decode_args(parser)
     add_heal_data_arg(parser)  # without healing data the space's LoRA settings are not searched
+    add_loss_data_arg(parser)
     add_export_dtype_arg(parser)
     add_tracking_args(parser)
     add_debug(parser)
@@ -159,7 +160,8 @@ def _objective(args, config, space):
     evaluation = tokenize_records(prompt_records(evaluation_args)[0], pair.tokenizer, not args.no_chat_template)
     check_context(evaluation, args.max_new_tokens, pair.drafter.config.block_size, pair.max_positions)
     decode, times = decode_config(args, pair, max_new_tokens=args.max_new_tokens)
-    config.score = replace(config.score, decode=decode)
+    criteria = space.params["criterion"].choices if "criterion" in space.params else [space.fixed.get("criterion")]
+    config.score = replace(config.score, decode=decode, loss_data=loss_data(args, criteria))
     calibration_ids = [p.input_ids for p in calibration]
     evaluation_ids = [p.input_ids for p in evaluation]
     cache = cache_dir(args)
