@@ -6,12 +6,17 @@ import json
 from dataclasses import asdict, dataclass, field, is_dataclass, replace
 
 from decode.config import VERIFY_MODES, DecodeConfig
+from decode.registry import SPECULATIVE, names
 from models.errors import ConfigError, one_of
 
 from .criteria import CRITERIA, DEFAULT_CRITERION
 from .training.config import TrainConfig
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The speculative decoder scoring measures with, by default D3D's own; a drafter served by an engine that drafts
+# and verifies in turn (vLLM and SGLang do) is measured as it will run with "sync".
+DEFAULT_DECODER = "async"
+SCORING_DECODERS = names(SPECULATIVE)
 
 
 @dataclass
@@ -21,6 +26,8 @@ class ScoreConfig:
     Attributes:
         criterion: a name of prune.criteria.CRITERIA: "tau" (drop in mean acceptance length), "speedup"
             (drop in predicted speedup) or "expected-tau" (drop in expected acceptance length).
+        decoder: the speculative decoder (decode.registry) whose tau and predicted speedup are measured:
+            "async" (D3D's) or "sync".
         verify: "replay" (recorded target trajectories; drafter cost only) or "live".
         decode: decoder settings (greedy; max_new_tokens, budget, stop ids).
         batch_size: prompts per batched drafter pass in replay.
@@ -46,6 +53,7 @@ class ScoreConfig:
     seed: int = 0
     screen_prompts: int = 8
     screen_keep: int = 12
+    decoder: str = DEFAULT_DECODER
 
     @property
     def needs_expected_tau(self) -> bool:
@@ -66,6 +74,9 @@ class ScoreConfig:
             raise ConfigError(f"unknown criterion {self.criterion!r}; choose {one_of(CRITERIA)} (--criterion)")
         if self.verify not in VERIFY_MODES:
             raise ConfigError(f"unknown verify mode {self.verify!r}; choose {one_of(VERIFY_MODES)} (--verify)")
+        if self.decoder not in SCORING_DECODERS:
+            raise ConfigError(f"scoring measures a speculative decoder, not {self.decoder!r}; choose "
+                              f"{one_of(SCORING_DECODERS)} (--decoder)")
         if self.decode.temperature != 0:
             raise ConfigError("layer scoring is greedy; use temperature 0")
         if self.batch_size < 1 or self.bootstrap < 1 or not 0 < self.confidence < 1:

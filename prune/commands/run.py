@@ -29,12 +29,16 @@ from ._common import (
     write_json,
 )
 from ._heal import add_heal_data_arg, heal_examples
+from ._target import add_target_args, check_pass_times, target_for, trajectory_source
 
 EXAMPLES = """
 examples:
   prune run --out pruned --layers-to-remove 5 --heal-data data/distill        (the demo pair)
   prune run --drafter D --target T --prompts calib.jsonl --out pruned --min-retention 0.98 --heal-steps 0
   prune run --out pruned --resume                                             (continue an interrupted run)
+  prune run --drafter D --target T --out pruned --ar-outputs ar.jsonl --pass-times bench.json
+        (the target's outputs recorded once, of the calibration then the check prompts: its weights load only
+         for the speed check at the end)
 """
 RUN, SCORE, HEAL = defaults(RunConfig), defaults(ScoreConfig), defaults(HealConfig)
 
@@ -96,6 +100,7 @@ def add_parser(subparsers) -> None:
                         help=f"layer scoring criterion ({describe()})")
     parser.add_argument("--verify", choices=VERIFY_MODES, default=SCORE["verify"], help="verification in scoring")
     add_screen_args(parser)
+    add_target_args(parser)
     add_decode_args(parser)
     add_heal_data_arg(parser)
     parser.add_argument("--heal-steps", type=_types.non_negative_int, default=HEAL["steps"],
@@ -145,43 +150,46 @@ def _run(args) -> int:
     check_layer_budget(args)
     # One read of the source: the first --limit prompts calibrate, the next --check-prompts judge the steps.
     with_checks = argparse.Namespace(**{**vars(args), "limit": args.limit + args.check_prompts})
-    pair, tokenized, drafter_dir, target_path, source = load_pair_and_prompts(with_checks)
+    pair, tokenized, drafter_dir, target_path, prompts_source = load_pair_and_prompts(with_checks)
     args.dtype = with_checks.dtype
     prompts = [p.input_ids for p in tokenized[:args.limit]]
     checks = [p.input_ids for p in tokenized[args.limit:]]
     if len(checks) < args.check_prompts:
-        print(check_prompts_note(source, len(prompts), len(checks), args.check_prompts), file=sys.stderr)
+        print(check_prompts_note(prompts_source, len(prompts), len(checks), args.check_prompts), file=sys.stderr)
         args.check_prompts = len(checks)
     decode, times = decode_config(args, pair, max_new_tokens=args.max_new_tokens)
     examples, heal_data = heal_examples(args) if args.heal_steps > 0 else (None, None)  # no heal: no data to read
     config = run_config(args, decode, healing=bool(examples))
     config.validate(pair.drafter.config.num_hidden_layers)
+    check_pass_times(config.score.criterion, times)
     cache = cache_dir(args)
     replay = args.verify == "replay"
-    trajectories = cached_trajectories(cache, pair.target, prompts, decode) if replay else None
-    check_trajectories = (cached_trajectories(cache, pair.target, checks, config.check_score.decode)
+    source = trajectory_source(args, pair, tokenized)
+    trajectories = cached_trajectories(cache, source, prompts, decode) if replay else None
+    check_trajectories = (cached_trajectories(cache, source, checks, config.check_score.decode)
                           if replay and checks else None)
     drafter_hash = fingerprint(pair.drafter)
     tracker = make_tracker(args, "run", {
         "settings": config_record(config), "drafter": drafter_dir, "drafter_hash": drafter_hash,
-        "target": target_path, "prompts": source, "prompt_count": len(prompts), "check_prompt_count": len(checks),
+        "target": target_path, "prompts": prompts_source, "prompt_count": len(prompts),
+        "check_prompt_count": len(checks), "ar_outputs": args.ar_outputs,
         "heal_data": heal_data,
         "out": args.out, "resume": args.resume}, drafter_hash, out=args.out)
-    campaign = Campaign(pair.drafter, drafter_dir, prompts, pair.target, trajectories, examples, cache, checks,
+    campaign = Campaign(pair.drafter, drafter_dir, prompts, source, trajectories, examples, cache, checks,
                         check_trajectories, heal_data)
     shown = show_progress(args.json)
     hooks = RunHooks(log=lambda message: print(message, file=sys.stderr), on_step=tracker.on_step,
                      progress=functools.partial(progress_bar, enabled=shown), heal_progress=shown)
     try:
         timing = (None if args.resume and has_run(args.out) else
-                  campaign_timing(pair.drafter, config.score, pair.target, times, cache))
+                  campaign_timing(pair.drafter, config.score, source, times, cache))
         state = run_pruning(campaign, args.out, config, resume=args.resume, timing=timing,
                             export_dtype=args.export_dtype, hooks=hooks)
     except BaseException:
         tracker.finish(exit_code=1)
         raise
     if args.speed_prompts > 0 and state.speed is None:
-        _check_speed(args, state, pair, decode)
+        _check_speed(args, state, pair, decode, target_path)
     tracker.finish(state, args.out)
     write_json(state.to_dict(), args.json)
     print("\n".join(summary_lines(state.to_dict(), args.out)), file=sys.stderr)
@@ -197,7 +205,7 @@ def run_config(args, decode, healing: bool) -> RunConfig:
         check_tokens=args.check_tokens or None, check_try_discount=args.check_try_discount,
         carry_screen=not args.no_carry_screen,
         score=ScoreConfig(criterion=args.criterion, verify=args.verify, decode=decode, seed=args.seed,
-                          screen_prompts=args.screen_prompts, screen_keep=args.screen_keep),
+                          screen_prompts=args.screen_prompts, screen_keep=args.screen_keep, decoder=args.decoder),
         heal=HealConfig(steps=args.heal_steps if healing else 0, rank=args.lora_rank, alpha=args.lora_alpha,
                         lr=args.heal_lr, distill_weight=args.heal_distill, min_drop=args.heal_min_drop,
                         seed=args.seed),
@@ -226,9 +234,9 @@ def check_layer_budget(args) -> None:
                           "must remain); lower --per-step")
 
 
-def _check_speed(args, state, pair, decode) -> None:
+def _check_speed(args, state, pair, decode, target_path: str) -> None:
     """Run the measured speed check (prune.speed) and record it in `state` (a prune.state.RunState),
-    OUT/state.json and OUT/report.md."""
+    OUT/state.json and OUT/report.md; the target's weights load here where --ar-outputs left them unloaded."""
     from decode.prompts import tokenize_records
     from prune.report import write_report
     from prune.speed import measure_speed
@@ -244,8 +252,9 @@ def _check_speed(args, state, pair, decode) -> None:
               "with input_ids records, or --speed-prompts 0)", file=sys.stderr)
         return
     prompts = tokenize_records(records, pair.tokenizer, not args.no_chat_template)
+    target = target_for(args, pair, target_path, "the speed check (--speed-prompts 0 skips it)")
     print(f"measuring speed on {len(prompts)} held-out prompts ({source}) ...", file=sys.stderr)
-    state.speed = measure_speed(state, args.out, pair.drafter, pair.target, prompts, decode, source)
+    state.speed = measure_speed(state, args.out, pair.drafter, target, prompts, decode, source)
     save_state(args.out, state)
     write_report(args.out, state)
 

@@ -22,11 +22,16 @@ from ._common import (
     stdout_console,
     write_json,
 )
+from ._target import add_target_args, check_pass_times, trajectory_source
 
 EXAMPLES = """
 examples:
   prune score --limit 16                                  (the demo pair, humaneval calibration prompts)
   prune score --drafter DRAFTER --target TARGET --prompts calib.jsonl --criterion speedup --json scores.json
+  prune bench --target TARGET --suite humaneval:calib --limit 16 --max-new-tokens 64 --decoder ar \
+      --save-outputs ar.jsonl --json bench.json                (record the target's outputs and pass times once)
+  prune score --drafter DRAFTER --target TARGET --ar-outputs ar.jsonl --pass-times bench.json
+                                                          (then score without loading the target's weights)
 """
 SCORE = defaults(ScoreConfig)
 
@@ -37,7 +42,8 @@ def add_parser(subparsers) -> None:
         "score",
         help="score every drafter layer by the drop in acceptance length without it",
         description="Score each layer of the drafter: tau of the drafter minus tau without that layer, "
-        "measured by the async decoder on calibration prompts (replayed target trajectories by default), "
+        "measured by the async (or --decoder sync) decoder on calibration prompts (replayed target trajectories "
+        "by default, decoded by the target or read from --ar-outputs), "
         "with a bootstrap confidence interval over prompts and the drafter's pass times without it. "
         "Layer indices are 0-based. Results are cached by drafter, target, prompts and settings." + EXAMPLES,
     )
@@ -46,6 +52,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--criterion", choices=tuple(CRITERIA), default=SCORE["criterion"], help=describe())
     parser.add_argument("--verify", choices=VERIFY_MODES, default=SCORE["verify"],
                         help="replay: target trajectories recorded once; live: the target in every evaluation")
+    add_target_args(parser)
     add_decode_args(parser)
     parser.add_argument("--batch-size", type=_types.positive_int, default=SCORE["batch_size"],
                         help="prompts per batched drafter pass (replay)")
@@ -67,24 +74,29 @@ def run(args) -> int:
     from prune.scoring import cached_scores, cached_trajectories, round_evaluations
     from prune.state import campaign_timing
 
+    from prune.trajectories import source_record
+
     pair, prompts, drafter_dir, target_path, source = load_pair_and_prompts(args)
+    trajectories_from = trajectory_source(args, pair, prompts)
     decode, times = decode_config(args, pair, max_new_tokens=args.max_new_tokens)
     config = ScoreConfig(criterion=args.criterion, verify=args.verify, decode=decode, batch_size=args.batch_size,
                          bootstrap=args.bootstrap, seed=args.seed, screen_prompts=args.screen_prompts,
-                         screen_keep=args.screen_keep)
+                         screen_keep=args.screen_keep, decoder=args.decoder)
     config.validate()
+    check_pass_times(config.criterion, times)
     ids = [p.input_ids for p in prompts]
     cache = cache_dir(args)
-    trajectories = cached_trajectories(cache, pair.target, ids, decode) if args.verify == "replay" else None
+    trajectories = cached_trajectories(cache, trajectories_from, ids, decode) if args.verify == "replay" else None
     # Every reduced drafter has one layer fewer: its pass times come from the drafter's cost per layer
     # (decode.cost.LayerCost, fitted on two depths) instead of 36 timings that differ only by noise. The
     # timing and the report are those `prune run` uses and caches for its first round.
-    timing = campaign_timing(pair.drafter, config, pair.target, times, cache)
+    timing = campaign_timing(pair.drafter, config, trajectories_from, times, cache)
     evaluations = round_evaluations(config, pair.drafter.config.num_hidden_layers, len(ids))
     with progress_bar("score", evaluations, enabled=show_progress(args.json)) as advance:
-        report = cached_scores(cache, pair.drafter, ids, config, timing, pair.target, trajectories,
+        report = cached_scores(cache, pair.drafter, ids, config, timing, trajectories_from, trajectories,
                                on_layer=lambda *_: advance()).to_dict()
-    report["settings"].update({"drafter": drafter_dir, "target": target_path, "prompts_source": source})
+    report["settings"].update({"drafter": drafter_dir, "target": target_path, "prompts_source": source,
+                               "trajectories": source_record(trajectories_from)})
     drafter_hash = fingerprint(pair.drafter)
     tracker = make_tracker(args, "score", {"settings": report["settings"], "drafter_hash": drafter_hash},
                            drafter_hash)
