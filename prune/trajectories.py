@@ -191,7 +191,10 @@ class RecordedFile:
         return cls(outputs, outputs.match(prompts), target_config, target)
 
     def identity(self) -> list[str]:
+        """[kind, the file's sha256, the target config's digest (where it lies and the transformers version
+        that read it left out), and a loaded target's model_identity where there is one]."""
         config = self.target_config.to_dict() if hasattr(self.target_config, "to_dict") else self.target_config
+        config = {k: v for k, v in (config or {}).items() if not k.startswith("_") and k != "transformers_version"}
         loaded = keys.model_identity(self.target) if self.target is not None else []
         return [self.kind, self.outputs.digest, fingerprint("target config", config), *loaded]
 

@@ -14,6 +14,7 @@ import pytest
 from optuna.trial import TrialState
 
 from _pairs import prompt_ids, save_prompt_sets, save_tiny_pair, tiny_campaign
+from decode.timing import PINNED_TIMES_ENV
 from models.drafter import save_drafter
 from models.errors import CheckpointError, ConfigError
 from prune.cli import main
@@ -362,6 +363,7 @@ def test_sweep_cli_scores_from_recorded_outputs_without_the_targets_weights(pair
     shutil.copytree(pair_dirs, tmp_path / "pair")
     (tmp_path / "pair" / "target" / "model.safetensors").unlink()
     monkeypatch.setattr("models.target.load_target", lambda *a, **k: pytest.fail("the target's weights loaded"))
+    monkeypatch.delenv(PINNED_TIMES_ENV)  # no pass times pinned either
     args = sweep_args(tmp_path / "pair", tmp_path / "sweep", "--n-trials", "1", "--ar-outputs", str(recorded))
     assert "--pass-times" in error_of(capsys, args)  # it ranks trials by predicted speedup
     assert main(args + ["--pass-times", str(tmp_path / "bench.json"), "--json", "-"]) == 0

@@ -8,22 +8,25 @@ import shutil
 import pytest
 
 from _pairs import save_tiny_pair
+from decode.timing import PINNED_TIMES_ENV
 from prune.cli import main
 
 LAYER_FIELDS = ("layer", "tau_without", "delta_tau", "ci_low", "ci_high", "score", "fallback_rate", "verify_width")
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def pair(tmp_path_factory, pinned_times_file):
     """A tiny pair, 3 prompts, the target's outputs of them recorded by `prune bench --save-outputs` (16 tokens)
-    with the pass times of that run, and two copies of the target folder that hold everything but readable
-    weights: one whose model.safetensors is garbage, one without it."""
+    with the pass times of that run (the tests' pinned ones), and two copies of the target folder that hold
+    everything but readable weights: one whose model.safetensors is garbage, one without it."""
     root = save_tiny_pair(tmp_path_factory.mktemp("recorded"), drafter_layers=2)
     (root / "prompts.jsonl").write_text("\n".join(json.dumps({"id": f"p{i}", "input_ids": list(range(5, 9 + i))})
                                                   for i in range(3)))
-    assert main(["bench", *models(root), "--prompts", str(root / "prompts.jsonl"), "--max-new-tokens", "16",
-                 "--decoder", "ar", "--save-outputs", str(root / "ar.jsonl"), "--cache-dir", str(root / "cache"),
-                 "--json", str(root / "bench.json")]) == 0
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setenv(PINNED_TIMES_ENV, str(pinned_times_file))
+        assert main(["bench", *models(root), "--prompts", str(root / "prompts.jsonl"), "--max-new-tokens", "16",
+                     "--decoder", "ar", "--save-outputs", str(root / "ar.jsonl"), "--cache-dir", str(root / "cache"),
+                     "--json", str(root / "bench.json")]) == 0
     for name in ("broken", "absent"):
         shutil.copytree(root / "target", root / name)
     (root / "broken" / "model.safetensors").write_bytes(b"not a safetensors file" * 10)
@@ -84,18 +87,22 @@ def test_score_from_recorded_outputs_never_reads_the_targets_weights(pair, tmp_p
                 [[s[k] for k in LAYER_FIELDS] for s in live["layers"]]
             assert report["settings"]["trajectories"]["kind"] == "recorded file"
             assert report["settings"]["decode"]["width_policy"] == live["settings"]["decode"]["width_policy"]
-            # Without pass times: fixed widths and every candidate (said so), as the live target scores them.
+            # Without pass times (none given, none pinned): fixed widths and every candidate (said so), as the live
+            # target scores them.
+            patched.delenv(PINNED_TIMES_ENV, raising=False)
             assert main(score_args(pair, target, tmp_path / target, "--ar-outputs", str(pair / "ar.jsonl"))) == 0
             captured = capsys.readouterr()
             bare = json.loads(captured.out)
             assert "note: no pass times" in captured.err and bare["base_predicted_speedup"] is None
             assert [[s[k] for k in LAYER_FIELDS] for s in bare["layers"]] == \
                 [[s[k] for k in LAYER_FIELDS] for s in live_fixed["layers"]]
-        # The score cache is keyed by the recorded file and the target's config: a second run reads it.
+        # The score cache is keyed by the recorded file and the target's config (not where its folder lies): a
+        # run with the other copy of the target reads the last one's scores.
         import prune.scoring
 
         patched.setattr(prune.scoring, "score_layers", lambda *a, **k: pytest.fail("a cached score recomputed"))
-        assert main(recorded) == 0
+        assert main(score_args(pair, "broken", tmp_path / "absent", "--ar-outputs", str(pair / "ar.jsonl"),
+                               "--pass-times", str(pair / "bench.json"))) == 0
         assert json.loads(capsys.readouterr().out)["layers"] == report["layers"]
         # The speedup criterion needs pass times: refused before anything is scored, the fix named.
         assert "--pass-times" in error_of(capsys, score_args(pair, "broken", tmp_path / "c", "--ar-outputs",

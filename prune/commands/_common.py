@@ -163,8 +163,9 @@ def decode_configs(args, pair, drafters, log=None, **fields) -> list:
     are measured once per set of drafters, target, device (and GPU model), dtype, thread count and packed
     budget and kept in the cache folder (unless --no-cache), so that repeated runs choose the same widths:
     decisions, tau and the score cache stay reproducible on one machine. A command with --pass-times reads
-    them from its file instead, and one whose target is not loaded (--ar-outputs) without it has none: its
-    decoders then run with the fixed settings (PassTimes None).
+    them from its file instead, and one whose target is not loaded (--ar-outputs) without it takes pinned
+    times (decode.timing.pinned_times) or has none: its decoders then run with the fixed settings (PassTimes
+    None).
     """
     from decode.cost import PassTimes
     from decode.timing import measure_drafters
@@ -184,7 +185,7 @@ def decode_configs(args, pair, drafters, log=None, **fields) -> list:
         measured = [times.to_dict() for times in measure_drafters(pair.target, drafters, base)]
         return measured[0] if len(measured) == 1 else measured  # one drafter: the record as before
 
-    given = given_pass_times(args, pair, len(drafters), log)
+    given = given_pass_times(args, pair, drafters, log)
     if given is None:
         record = pass_times_record(cache, pair.target, drafters, base)
         stored = cached_json(record and record.parent, record and record.stem, measure)

@@ -59,20 +59,25 @@ def trajectory_source(args, pair, prompts):
     return LiveTarget(pair.target)
 
 
-def given_pass_times(args, pair, drafters: int, log=None) -> list | None:
-    """The pass times of each of `drafters` drafters where the command does not measure them: read from
-    --pass-times, or None each (with a note) where the target is not loaded; None where they are measured with
-    the target."""
+def given_pass_times(args, pair, drafters: list, log=None) -> list | None:
+    """The pass times of each of `drafters` where the command does not measure them with the target: read from
+    --pass-times, else, where the target is not loaded, the pinned ones (decode.timing.pinned_times), else None
+    each, with a note; None where they are measured with the loaded target."""
+    from decode.timing import pinned_times
+
     from ._common import drafter_path
 
     if getattr(args, "pass_times", None):
-        return [read_pass_times(args.pass_times, drafter_path(args))] * drafters
+        return [read_pass_times(args.pass_times, drafter_path(args))] * len(drafters)
     if pair.target is not None:
         return None
+    pinned = pinned_times()
+    if pinned is not None:
+        return [pinned.for_drafter(drafter, args.packed_budget) for drafter in drafters]
     fixed = "every round verifies the full block and drafts every candidate (as --width fixed --candidates all)"
     (log or _log)(f"note: no pass times (the target's weights are not loaded): {fixed}, and no speedup is "
                   "predicted; --pass-times FILE.json gives them")
-    return [None] * drafters
+    return [None] * len(drafters)
 
 
 def read_pass_times(path: str, drafter_dir: str | None = None):
