@@ -45,8 +45,9 @@ OUTPUT_FIELD = "output_ids"
 PROMPT_FIELDS = ("prompt_ids", "input_ids")  # the first one a record holds is read
 ID_FIELD = "id"
 TARGET_DECODER = "ar"  # records naming another decoder are drafters' outputs
-FIX = ("record the target's greedy output of every prompt (prune bench --decoder ar --save-outputs FILE on the "
-       "same prompts, or another engine: see prune.trajectories)")
+FIX = ("record the target's greedy output of every prompt the command decodes (prune run: --limit plus "
+       "--check-prompts of them; prune sweep: the evaluation prompts too) with prune bench --decoder ar "
+       "--save-outputs FILE, or another engine (see prune.trajectories)")
 
 
 class TrajectorySource(Protocol):
