@@ -39,6 +39,14 @@ class StopRule:
         kept = committed[:room]
         return kept, len(kept) == room
 
+    def replayed(self, recorded: list[int]) -> list[int] | None:
+        """The output a greedy decoder under this rule produces, given the target's greedy output `recorded`
+        under some other cap (by this tool or another engine): `recorded` cut at its first stop id or at
+        `max_new_tokens`. None when `recorded` cannot tell: it ends before the cap at a token that is not a
+        stop id (recorded with a smaller cap, or another engine's stop ids)."""
+        kept, finished = self.truncate(list(recorded), 0)
+        return kept if finished else None
+
 
 def greedy_outcome(drafts: list[int], target_tokens: list[int]) -> tuple[int, int]:
     """(a, b) for greedy verification.

@@ -1,6 +1,7 @@
 """Load a target model (a local transformers folder or a GGUF file) and check it against a drafter."""
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -98,6 +99,27 @@ def _check_same_ids(tokenizer, target_tokenizer, role: str) -> None:
             f"tokenizer mismatch: {len(differing)} target tokens have another id in the {role}'s tokenizer "
             f"(e.g. {differing[0]!r}); the {role} must share the target's tokenizer"
         )
+
+
+@dataclass(frozen=True)
+class TargetFiles:
+    """A target as its files describe it, its weights never read: what replaying its recorded outputs needs of
+    it. `config`: its config (vocabulary, context length); `generation_config`: its generation_config.json
+    (stop ids), None where it has none (a loaded target then derives one from `config`)."""
+
+    config: object
+    generation_config: object | None = None
+
+
+def target_files(path: str | os.PathLike) -> TargetFiles:
+    """The config and generation config of a target folder or GGUF file, without loading weights."""
+    from transformers import GenerationConfig
+
+    path = Path(path)
+    generation = None
+    if path.is_dir() and (path / "generation_config.json").is_file():
+        generation = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+    return TargetFiles(target_config_of(path), generation)
 
 
 def target_config_of(path: str | os.PathLike):

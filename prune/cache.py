@@ -8,8 +8,11 @@ The cache folder (`--cache-dir`, models._wheels.resolve_cache_dir) holds, each u
     scores/KEY.json         a scoring round's ScoreReport
 
 A key fingerprints everything its value depends on, models by their weights, dtype and device (near-tie
-argmaxes and pass times differ across them). `prune score`, `prune run` and every sweep trial build keys
-with these functions from the same settings, so they share entries: a `prune run` after a `prune score` of
+argmaxes and pass times differ across them). The target enters a key as its trajectory source's identity
+(prune.trajectories): a loaded target by its weights, dtype and device as any model; a recorded file of its
+outputs, whose target's weights are never loaded, by the file's content and the target's config. `prune
+score`, `prune run` and every sweep trial build keys with these functions from the same settings, so they
+share entries: a `prune run` after a `prune score` of
 the same drafter, prompts and settings takes its first scoring round from the cache. Scores are written by
 `prune score` only; a campaign reads them (its own rounds are kept by its journal, prune.journal, so that a
 resumed run continues its own round rather than another run's).
@@ -23,6 +26,7 @@ from pathlib import Path
 import torch
 
 from models.checkpoint import atomic_write_text
+
 
 _WEIGHTS_DIGEST = "_d3d_weights_digest"  # where a module keeps the digest of its weights
 
@@ -65,10 +69,21 @@ def model_identity(model: torch.nn.Module) -> list[str]:
     return [fingerprint(model), str(weight.dtype), str(weight.device)]
 
 
+def target_identity(target) -> list[str]:
+    """What a key holds of the target side: a loaded target's `model_identity`, or a trajectory source's own
+    identity (prune.trajectories.TrajectorySource; a live target's is its model's)."""
+    return model_identity(target) if isinstance(target, torch.nn.Module) else list(target.identity())
+
+
+def loaded_target(target) -> torch.nn.Module | None:
+    """The loaded target model of `target` (a model, or a trajectory source that may hold one)."""
+    return target if isinstance(target, torch.nn.Module) else target.target
+
+
 def trajectory_key(target, prompts: list[list[int]], decode) -> str:
-    """The key of recorded target trajectories: the target's weights, dtype and device, the prompts and the
-    stop rule (decode: a decode.config.DecodeConfig)."""
-    return fingerprint("trajectories", *model_identity(target), prompts, decode.max_new_tokens,
+    """The key of recorded target trajectories: the target side (`target_identity`: a loaded target's
+    weights, dtype and device), the prompts and the stop rule (decode: a decode.config.DecodeConfig)."""
+    return fingerprint("trajectories", *target_identity(target), prompts, decode.max_new_tokens,
                        sorted(decode.stop_ids))
 
 
@@ -80,13 +95,16 @@ def pass_times_key(drafter, target, decode) -> str:
     the target's one-token step is measured apart from wider passes (PassTimes.step_ms); v6: the drafter's
     fused form (models.lean.LeanDecoder, `fused`) and grouped top-k (decode.engine.top_k) changed its pass
     times. Older records are measured again. Pinned pass times (decode.timing.pinned_times) are part of the
-    key, so a pinned record never stands in for a measured one or the reverse."""
+    key, so a pinned record never stands in for a measured one or the reverse. `target`: a loaded target, or a
+    trajectory source (a recorded file's, without a loaded target: the drafter's device stands in for the
+    target's)."""
     from decode.timing import pinned_times
 
-    device = next(target.parameters()).device
+    loaded = loaded_target(target)
+    device = next((loaded if loaded is not None else drafter).parameters()).device
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     pinned = pinned_times()
-    return fingerprint("pass-times v6", *model_identity(drafter), *model_identity(target), torch.get_num_threads(),
+    return fingerprint("pass-times v6", *model_identity(drafter), *target_identity(target), torch.get_num_threads(),
                        decode.packed_budget, decode.draft_threads, decode.block_size, platform.machine(),
                        platform.processor(), gpu, torch.__version__,
                        *(["pinned", pinned.to_dict()] if pinned else []))
@@ -100,8 +118,9 @@ def timing_key(drafter, target, decode, repeats: int, times: dict | None) -> str
 
 def score_key(drafter, target, prompts: list[list[int]], config, timing: dict) -> str:
     """The key of a scoring round's report: the drafter (weights, dtype, device), the target and prompts
-    (`trajectory_key`: weights, dtype, device, prompts, stop rule), every setting of `config` (a
-    prune.config.ScoreConfig) and the campaign timing the scores' pass times come from (as a dict).
+    (`trajectory_key`: the target side, prompts, stop rule), every setting of `config` (a
+    prune.config.ScoreConfig; its decoder where it is not the default, which keys as before that setting
+    existed) and the campaign timing the scores' pass times come from (as a dict).
     The same in `prune score`, `prune run` and every sweep trial."""
     return fingerprint("scores v2", *model_identity(drafter), trajectory_key(target, prompts, config.decode), prompts,
                        config.key_record(), timing)

@@ -6,12 +6,17 @@ import json
 from dataclasses import asdict, dataclass, field, is_dataclass, replace
 
 from decode.config import VERIFY_MODES, DecodeConfig
+from decode.registry import SPECULATIVE, names
 from models.errors import ConfigError, one_of
 
 from .criteria import CRITERIA, DEFAULT_CRITERION, rankings
 from .training.config import TrainConfig
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The speculative decoder scoring measures with, by default D3D's own; a drafter served by an engine that drafts
+# and verifies in turn (vLLM and SGLang do) is measured as it will run with "sync".
+DEFAULT_DECODER = "async"
+SCORING_DECODERS = names(SPECULATIVE)
 
 
 @dataclass
@@ -23,6 +28,8 @@ class ScoreConfig:
             drop in mean acceptance length, "speedup": drop in predicted speedup, "expected-tau": drop in
             expected acceptance length) or a ranking of the whole round without it ("block-influence",
             "angular", "loss", "last", "random"; prune.ranking).
+        decoder: the speculative decoder (decode.registry) whose tau and predicted speedup are measured:
+            "async" (D3D's) or "sync".
         verify: "replay" (recorded target trajectories; drafter cost only) or "live".
         decode: decoder settings (greedy; max_new_tokens, budget, stop ids).
         batch_size: prompts per batched drafter pass in replay.
@@ -59,6 +66,7 @@ class ScoreConfig:
     prescreen_keep: int = 12
     loss_data: tuple[str, ...] = ()
     loss_examples: int = 64
+    decoder: str = DEFAULT_DECODER
 
     @property
     def needs_expected_tau(self) -> bool:
@@ -81,10 +89,12 @@ class ScoreConfig:
 
     def key_record(self) -> dict:
         """The settings as a round's cache key holds them (prune.cache.score_key): those of the pre-screen and of
-        the loss criterion only where the round reads them, so that rounds which do not share their entries
-        (those written before these settings existed included)."""
+        the loss criterion only where the round reads them, the decoder only where it is not the default, so that
+        rounds which do not read them keep the keys they had before these settings existed
+        """
         unread = [] if self.prescreen else ["prescreen", "prescreen_keep"]
         unread += [] if "loss data" in self.reads else ["loss_data", "loss_examples"]
+        unread += ["decoder"] if self.decoder == DEFAULT_DECODER else []
         return {k: v for k, v in settings_record(self).items() if k not in unread}
 
     def screen(self, prompts: int) -> int:
@@ -96,6 +106,9 @@ class ScoreConfig:
             raise ConfigError(f"unknown criterion {self.criterion!r}; choose {one_of(CRITERIA)} (--criterion)")
         if self.verify not in VERIFY_MODES:
             raise ConfigError(f"unknown verify mode {self.verify!r}; choose {one_of(VERIFY_MODES)} (--verify)")
+        if self.decoder not in SCORING_DECODERS:
+            raise ConfigError(f"scoring measures a speculative decoder, not {self.decoder!r}; choose "
+                              f"{one_of(SCORING_DECODERS)} (--decoder)")
         if self.decode.temperature != 0:
             raise ConfigError("layer scoring is greedy; use temperature 0")
         if self.batch_size < 1 or self.bootstrap < 1 or not 0 < self.confidence < 1:

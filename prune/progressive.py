@@ -41,6 +41,7 @@ from .scoring import (Evaluation, ScoreReport, cached_scores, carried_scores, ev
                       retention_error, round_evaluations)
 from .state import (BaseRecord, Host, RunState, StepRecord, Timing, campaign_timing, has_run, judged_on,
                     load_state, save_state)
+from .trajectories import as_source
 from .training.loss import Teacher
 
 _silent = functools.partial(progress_bar, enabled=False)
@@ -54,7 +55,10 @@ class Campaign:
         drafter: the unpruned drafter, in the compute dtype (float32 recommended).
         source_dir: its folder (tokenizer files, generation config and provenance for the exports).
         prompts: calibration prompts (token ids): scoring rounds rank the layers on them.
-        target: the target model (live verification, pass times; with it, scoring rounds are cached).
+        source: where the target's trajectories come from (prune.trajectories.TrajectorySource: the live
+            target, or a recorded file of its outputs, whose target's weights are not loaded; a loaded target
+            model is taken as its live source). Its loaded target (`target`, None with a recorded file alone)
+            serves live verification and the pass times; with a source, scoring rounds are cached.
         trajectories: the prompts' recorded target trajectories (replay; prune.scoring.cached_trajectories).
         check_prompts: prompts disjoint from `prompts` that judge every step (RunConfig.check_prompts of them);
             None or empty: the steps are judged on `prompts`.
@@ -69,13 +73,21 @@ class Campaign:
     drafter: object
     source_dir: Path | str
     prompts: list
-    target: object = None
+    source: object = None
     trajectories: list | None = None
     heal_examples: list | None = None
     cache: Path | None = None
     check_prompts: list | None = None
     check_trajectories: list | None = None
     heal_data: list[str] | None = None
+
+    def __post_init__(self):
+        self.source = as_source(self.source)
+
+    @property
+    def target(self):
+        """The loaded target model (None where the source has none)."""
+        return self.source.target if self.source is not None else None
 
     @functools.cached_property
     def teacher(self) -> Teacher:
@@ -117,7 +129,7 @@ class _Run:
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
 
     def judge(self, model) -> Evaluation:
-        """The async decoder's measurements of `model` on the prompts that judge steps: the check prompts, or
+        """The scoring decoder's measurements of `model` on the prompts that judge steps: the check prompts, or
         the calibration prompts when the campaign has none."""
         c = self.campaign
         if c.check_prompts:
@@ -236,7 +248,7 @@ def _open_state(run: _Run, resume: bool, timing: Timing | None) -> tuple[RunStat
                           "measure it with campaign_timing(drafter, ...)")
     base = run.base
     if timing is None:
-        timing = campaign_timing(drafter, config.score, run.campaign.target, cache=run.campaign.cache)
+        timing = campaign_timing(drafter, config.score, run.campaign.source, cache=run.campaign.cache)
     state = RunState(config_record(config), str(run.campaign.source_dir), timing,
                      BaseRecord(base.tau, base.fallback_rate, base.predicted_speedup(timing.pass_times(layers)),
                                 base.width, base.packed_share, base.packed_tokens),
@@ -291,7 +303,7 @@ def _score_round(run: _Run, current, state: RunState, take: int) -> ScoreReport:
     evaluations = round_evaluations(run.config.score, layers, len(c.prompts), carried=bool(carried))
     started = time.monotonic()
     with (run.hooks.progress or _silent)(f"step {step}: scoring", evaluations) as advance:
-        report = cached_scores(c.cache, current, c.prompts, run.config.score, state.timing, c.target,
+        report = cached_scores(c.cache, current, c.prompts, run.config.score, state.timing, c.source,
                                trajectories=c.trajectories, on_layer=lambda *_: advance(), journal=journal,
                                store=False, carried=carried, take=take,
                                on_total=lambda total: advance(0, total=total))
@@ -334,7 +346,7 @@ def _take_step(run: _Run, current, scores: ScoreReport, k: int, state: RunState)
             # judged on the calibration prompts: scoring already measured the drafter without exactly this layer
             removed = scores.layers[chosen[0]]
             before = Evaluation([], removed.tau_without, None, removed.fallback_rate, removed.verify_width,
-                                removed.packed_share, removed.packed_tokens)
+                                removed.packed_share, removed.packed_tokens, decoder=run.config.score.decoder)
         else:
             before = run.judge(reduced)
         record = verdict = _step_record(run, state, scores, chosen, before, before, [], False)

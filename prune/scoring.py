@@ -1,13 +1,14 @@
 """Layer importance: how much acceptance length drops when one layer is removed (docs/design.md, Scoring).
 
-A layer's score compares the drafter with and without it, both measured by the real async decoder on
-calibration prompts; the criterion (prune.criteria) says how: by default tau(current drafter) - tau(current
-drafter without that layer). With `verify="replay"` the target runs once per prompt to record
-its greedy trajectory, and every evaluation after that costs drafter passes only (prompts are batched
+A layer's score compares the drafter with and without it, both measured by a real speculative decoder
+(ScoreConfig.decoder: async by default) on calibration prompts; the criterion (prune.criteria) says how: by
+default tau(current drafter) - tau(current drafter without that layer). With `verify="replay"` the target's
+greedy trajectory per prompt is recorded once (or read from a file of its recorded outputs: prune.trajectories
+says where they come from), and every evaluation after that costs drafter passes only (prompts are batched
 into one drafter pass); `verify="live"` runs the target in every evaluation. A paired bootstrap over
 prompts gives a confidence interval per layer, so a too-small calibration set shows as wide intervals.
 
-The `speedup` criterion scores a layer by the drop in predicted async speedup instead (decode.cost: the
+The `speedup` criterion scores a layer by the drop in predicted speedup instead (decode.cost: the
 target's pass times measured once, each reduced drafter's own pass times, its tau, verify width and
 fallback rate). The `expected-tau` criterion adds, beside the decoder's measurements, the drafter's
 expected acceptance length on the target's trajectories (`expected_tau_per_prompt`), which moves with every
@@ -34,16 +35,16 @@ from models.errors import ConfigError
 from models.faults import fault_point
 from models.surgery import remove_layers
 
-from .cache import cached_json, score_key, trajectory_key
-from .config import ScoreConfig
+from .cache import cached_json, loaded_target, score_key
+from .config import DEFAULT_DECODER, ScoreConfig
 from .criteria import CRITERIA, LayerEffect
 
 
 @dataclass
 class Evaluation:
-    """The async decoder's measurements of one drafter on the calibration prompts (width: mean verify width),
-    and, where the criterion asks for it, the drafter's expected acceptance length per prompt
-    (`expected_tau_per_prompt`; their mean is `expected_tau`)."""
+    """A speculative decoder's measurements of one drafter on the calibration prompts (width: mean verify
+    width; `decoder`: which decoder, ScoreConfig.decoder), and, where the criterion asks for it, the drafter's
+    expected acceptance length per prompt (`expected_tau_per_prompt`; their mean is `expected_tau`)."""
 
     tau_per_prompt: list[float]
     tau: float
@@ -56,14 +57,17 @@ class Evaluation:
     judged_rounds: int | None = None
     expected_tau_per_prompt: list[float] | None = None
     expected_tau: float | None = None
+    decoder: str = DEFAULT_DECODER
 
     @classmethod
     def of(cls, results: list[DecodeResult], block_size: int, expected: list[float] | None = None) -> "Evaluation":
         summary = summarize(results, block_size)
         judged = sum(rnd.hit is not None for r in results for rnd in r.rounds)
-        return cls(summary["tau_per_prompt"], summary["tau_macro"], summary["hit_rate"], summary["fallback_rate"],
+        return cls(summary["tau_per_prompt"], summary["tau_macro"], summary.get("hit_rate"),
+                   summary.get("fallback_rate"),
                    summary["verify_width_mean"], summary.get("packed_share"), summary.get("packed_pass_tokens_mean"),
-                   summary["rounds"], judged, expected, sum(expected) / len(expected) if expected else None)
+                   summary["rounds"], judged, expected, sum(expected) / len(expected) if expected else None,
+                   results[0].decoder if results else DEFAULT_DECODER)
 
     @classmethod
     def merge(cls, first: "Evaluation", second: "Evaluation") -> "Evaluation":
@@ -84,13 +88,13 @@ class Evaluation:
         return cls(per_prompt, sum(per_prompt) / len(per_prompt), pooled("hit_rate", judged),
                    pooled("fallback_rate", judged), pooled("width", rounds), pooled("packed_share", rounds),
                    pooled("packed_tokens", packed), sum(rounds), sum(judged), expected,
-                   sum(expected) / len(expected) if expected else None)
+                   sum(expected) / len(expected) if expected else None, first.decoder)
 
     def predicted_speedup(self, times: cost.PassTimes | None) -> float | None:
-        """Predicted async speedup of this drafter with pass times `times` (None without target times)."""
+        """Predicted speedup of this drafter's decoder with pass times `times` (None without target times)."""
         if times is None or self.width is None:
             return None
-        return cost.predicted_speedup("async", times, self.tau, self.width, self.fallback_rate or 0.0,
+        return cost.predicted_speedup(self.decoder, times, self.tau, self.width, self.fallback_rate or 0.0,
                                       **cost.packed_shape(self.packed_share, self.packed_tokens))
 
 
@@ -202,18 +206,21 @@ def expected_tau_per_prompt(drafter, prompts: list[list[int]], trajectories: lis
 
 def evaluate(drafter, prompts, config: ScoreConfig, trajectories=None, target=None,
              expected: bool = False) -> Evaluation:
-    """tau (and hits) of `drafter` with the async decoder, replayed in batches or live per prompt; with
-    `expected` (a scoring round whose criterion reads it), its expected acceptance length per prompt too."""
+    """tau (and hits) of `drafter` with the decoder of `config`, replayed in batches or live per prompt (`target`:
+    the loaded target); with `expected` (a scoring round whose criterion reads it), its expected acceptance
+    length per prompt too."""
     block = config.decode.block_size or drafter.config.block_size
     results: list[DecodeResult] = []
     if config.verify == "replay":
         for start in range(0, len(prompts), config.batch_size):
             chunk = slice(start, start + config.batch_size)
             verifiers = [ReplayVerifier(t) for t in trajectories[chunk]]
-            results += decode_speculative("async", drafter, verifiers, prompts[chunk], config.decode)
+            results += decode_speculative(config.decoder, drafter, verifiers, prompts[chunk], config.decode)
     else:
+        if target is None:
+            raise ConfigError("live verification needs the loaded target; load it, or score with --verify replay")
         for prompt in prompts:
-            results += decode_speculative("async", drafter, [LiveVerifier(target)], [prompt], config.decode)
+            results += decode_speculative(config.decoder, drafter, [LiveVerifier(target)], [prompt], config.decode)
     per_prompt = expected_tau_per_prompt(drafter, prompts, trajectories) if expected else None
     return Evaluation.of(results, block, per_prompt)
 
@@ -386,7 +393,8 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
     base_draft_ms, base_packed_ms = pass_ms(drafter)
     base_speedup = speedup_of(base)
     if CRITERIA[config.criterion].needs_speedup and base_speedup is None:
-        raise ConfigError(f"the {config.criterion} criterion needs the target's pass times; pass the target")
+        raise ConfigError(f"the {config.criterion} criterion needs the target's pass times; pass the target, or "
+                          "where its outputs are recorded its pass times (--pass-times FILE.json)")
     layers = drafter.config.num_hidden_layers
     original = original_layers(drafter.config)
 
@@ -473,7 +481,8 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
                     score_fully(layer, first_pass[layer])
 
     scores = [journal.layers[layer] for layer in range(layers)]
-    settings = {"criterion": config.criterion, "verify": config.verify, "decode": asdict(config.decode),
+    settings = {"criterion": config.criterion, "decoder": config.decoder, "verify": config.verify,
+                "decode": asdict(config.decode),
                 "prompts": len(prompts), "screen_prompts": screen,
                 "screen_keep": config.screen_keep if screen else None, "bootstrap": config.bootstrap,
                 "confidence": config.confidence, "seed": config.seed,
@@ -500,35 +509,43 @@ def _layer_score(layer: int, original: int, base: Evaluation, evaluation: Evalua
                       expected_tau_without=evaluation.expected_tau)
 
 
-def cached_trajectories(folder: Path | None, target, prompts: list[list[int]], decode: DecodeConfig) -> list:
-    """`record_trajectories`, cached under `folder` by prune.cache.trajectory_key (no cache when folder is None)."""
-    key = trajectory_key(target, prompts, decode)
-    return cached_json(folder and Path(folder) / "trajectories", key,
-                       lambda: record_trajectories(target, prompts, decode))
+def cached_trajectories(folder: Path | None, source, prompts: list[list[int]], decode: DecodeConfig) -> list:
+    """The target's greedy trajectories of `prompts` from `source` (prune.trajectories.TrajectorySource, or a
+    loaded target: `record_trajectories`, cached under `folder` by prune.cache.trajectory_key; no cache when
+    folder is None)."""
+    from .trajectories import as_source
+
+    return as_source(source).trajectories(prompts, decode, folder)
 
 
-def cached_scores(folder: Path | None, drafter, prompts: list[list[int]], config: ScoreConfig, timing, target,
+def cached_scores(folder: Path | None, drafter, prompts: list[list[int]], config: ScoreConfig, timing, source,
                   trajectories=None, on_layer=None, journal=None, store: bool = True,
                   carried: list[LayerScore] | None = None, take: int = 1, on_total=None) -> ScoreReport:
     """`score_layers` with the pass times of a campaign's `timing` (prune.state.Timing), cached under `folder`
-    by prune.cache.score_key (no cache when folder or target is None; `store` False reads the cache but adds
-    nothing to it): `prune score`, `prune run` and sweep trials with the same drafter, prompts, target and
-    settings share the report. A report taken from the cache calls `on_layer` for no layer and is recorded
-    in `journal` whole, as a computed round leaves it. A round that uses `carried` scores (score_layers) is
-    never stored: it is not the full round that `prune score` caches."""
+    by prune.cache.score_key (no cache when folder or source is None; `store` False reads the cache but adds
+    nothing to it): `prune score`, `prune run` and sweep trials with the same drafter, prompts, target side
+    and settings share the report. `source`: where the target's trajectories come from
+    (prune.trajectories.TrajectorySource; a loaded target is its live source). A report taken from the cache
+    calls `on_layer` for no layer and is recorded in `journal` whole, as a computed round leaves it. A round
+    that uses `carried` scores (score_layers) is never stored: it is not the full round that `prune score`
+    caches."""
+    from .trajectories import as_source
+
+    source = as_source(source)
+    target = loaded_target(source) if source is not None else None
     layers = drafter.config.num_hidden_layers
-    if trajectories is None and config.needs_trajectories and folder is not None and target is not None:
-        # Live scoring by expected acceptance: record the trajectories once, not in every round.
-        trajectories = cached_trajectories(folder, target, prompts, config.decode)
+    if trajectories is None and config.needs_trajectories and source is not None:
+        # Live scoring by expected acceptance: the trajectories once, not in every round.
+        trajectories = source.trajectories(prompts, config.decode, folder)
 
     def score() -> ScoreReport:
         return score_layers(drafter, prompts, config, target=target, trajectories=trajectories, on_layer=on_layer,
                             times=timing.pass_times(layers), layer_costs=timing.layer_costs(), journal=journal,
                             carried=carried, take=take, on_total=on_total)
 
-    if folder is None or target is None:
+    if folder is None or source is None:
         return score()
-    key = score_key(drafter, target, prompts, config, timing.to_dict())
+    key = score_key(drafter, source, prompts, config, timing.to_dict())
     store = store and not (carried and config.screen(len(prompts)))
     report = ScoreReport.from_dict(cached_json(Path(folder) / "scores", key, lambda: score().to_dict(), store))
     if journal is not None and len(journal.layers) < len(report.layers):

@@ -34,8 +34,8 @@ from decode.timing import drafter_layer_costs, measure_pass_times
 from models.checkpoint import atomic_write_text
 from models.precision import cpu_name, dtype_name
 
-from .cache import cached_json, timing_key
-from .config import ScoreConfig
+from .cache import cached_json, loaded_target, timing_key
+from .config import DEFAULT_DECODER, ScoreConfig
 from .scoring import LayerScore
 
 STATE_NAME = "state.json"
@@ -103,9 +103,11 @@ class Timing:
 
 
 def measure_timing(drafter, score: ScoreConfig, target=None, times: PassTimes | None = None) -> Timing:
-    """The Timing of the unpruned `drafter` with `target` (decode.timing; a few seconds).
+    """The Timing of the unpruned `drafter` with the loaded `target` (decode.timing; a few seconds).
 
-    `times`: the pair's decode.cost.PassTimes when already measured (the adaptive width's); else measured.
+    `times`: the pair's decode.cost.PassTimes when already measured (the adaptive width's) or given (a recorded
+    target's, --pass-times); else measured with `target`. Without a target the drafter's depths are timed
+    alone, and without times too the Timing has no target times (no predicted speedups).
     """
     if times is None and target is not None:
         times = measure_pass_times(target, drafter, score.decode, score.timing_repeats)
@@ -114,14 +116,20 @@ def measure_timing(drafter, score: ScoreConfig, target=None, times: PassTimes | 
     return Timing(drafter.config.num_hidden_layers, draft, packed, times)
 
 
-def campaign_timing(drafter, score: ScoreConfig, target=None, times: PassTimes | None = None,
+def campaign_timing(drafter, score: ScoreConfig, source=None, times: PassTimes | None = None,
                     cache: Path | None = None) -> Timing:
     """`measure_timing`, kept in the cache folder under prune.cache.timing_key (measured once per drafter,
-    target, device, dtype, threads, decoder settings and pair's pass times) when `cache` and `target` are
-    given: `prune score`, `prune run` and sweeps then time a pair alike, and share their score cache."""
-    if cache is None or target is None:
+    target side, device, dtype, threads, decoder settings and pair's pass times) when `cache` and `source` are
+    given: `prune score`, `prune run` and sweeps then time a pair alike, and share their score cache.
+    `source`: where the target's trajectories come from (prune.trajectories.TrajectorySource; a loaded target
+    is its live source); its loaded target, if any, is timed."""
+    from .trajectories import as_source
+
+    source = as_source(source)
+    target = loaded_target(source) if source is not None else None
+    if cache is None or source is None:
         return measure_timing(drafter, score, target, times)
-    key = timing_key(drafter, target, score.decode, score.timing_repeats, times.to_dict() if times else None)
+    key = timing_key(drafter, source, score.decode, score.timing_repeats, times.to_dict() if times else None)
     return Timing.from_dict(cached_json(Path(cache) / "timing", key,
                                         lambda: measure_timing(drafter, score, target, times).to_dict()))
 
@@ -352,7 +360,8 @@ class RunState:
         if self.timing is None or base.width is None or self.timing.target is None:
             return None
         before, after = self.timing.pass_times(self.timing.layers), self.timing.pass_times(layers)
-        return cost.equal_tau_speedup("async", before, after, base.width, base.fallback_rate or 0.0,
+        decoder = self.config.get("score", {}).get("decoder", DEFAULT_DECODER)
+        return cost.equal_tau_speedup(decoder, before, after, base.width, base.fallback_rate or 0.0,
                                       **cost.packed_shape(base.packed_share, base.packed_tokens))
 
     def removed_original(self) -> list[int]:

@@ -49,6 +49,7 @@ from prune.export import REPORT_NAME, verify_export
 from prune.progressive import Campaign, RunHooks, config_record, run_pruning
 from prune.scoring import Evaluation, evaluate
 from prune.state import RunState, StepRecord, Timing, campaign_timing
+from prune.trajectories import as_source
 
 from ._optuna import quiet_optuna
 from .config import SweepConfig
@@ -58,6 +59,10 @@ from .space import HEAL_NAMES, SearchSpace
 @dataclass
 class SweepData:
     """What every trial of one worker shares, loaded once: the pair, prompts and trajectories, heal data.
+
+    `source`: where the target's trajectories come from (prune.trajectories.TrajectorySource: the live target, or
+    a recorded file of its outputs, whose target's weights are not loaded; a loaded target model is taken as its
+    live source); `target` is its loaded target (None with a recorded file alone).
 
     `calibration` holds at least as many prompts as the space's largest calibration size; a trial uses
     the first `calibration_prompts` of them. `evaluation` prompts measure every trial's final drafter.
@@ -69,7 +74,7 @@ class SweepData:
 
     drafter: object
     drafter_dir: str
-    target: object
+    source: object
     calibration: list[list[int]]
     calibration_trajectories: list | None
     evaluation: list[list[int]]
@@ -79,6 +84,14 @@ class SweepData:
     pass_times: PassTimes | None = None
     cache: Path | None = None
     heal_data: list[str] | None = None
+
+    def __post_init__(self):
+        self.source = as_source(self.source)
+
+    @property
+    def target(self):
+        """The loaded target model (None where the source has none)."""
+        return self.source.target if self.source is not None else None
 
 
 def campaign_config(values: dict, config: SweepConfig) -> tuple[RunConfig, int | None]:
@@ -175,7 +188,7 @@ class PruningObjective:
                 break
             time.sleep(0.5)
         own_budget = score.decode.packed_budget == self.config.score.decode.packed_budget
-        timing = campaign_timing(self.data.drafter, score, self.data.target,
+        timing = campaign_timing(self.data.drafter, score, self.data.source,
                                  self.data.pass_times if own_budget else None, self.data.cache).to_dict()
         study.set_user_attr(key, timing)
         return timing
@@ -195,7 +208,7 @@ class PruningObjective:
         pruned = []
         data = self.data
         trajectories = data.calibration_trajectories
-        campaign = Campaign(data.drafter, data.drafter_dir, data.calibration[:calibration], data.target,
+        campaign = Campaign(data.drafter, data.drafter_dir, data.calibration[:calibration], data.source,
                             trajectories[:calibration] if trajectories is not None else None,
                             data.heal_examples if run_config.heal.steps else None, data.cache,
                             heal_data=data.heal_data)

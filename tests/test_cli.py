@@ -120,9 +120,18 @@ def test_bench_reuses_recorded_ar_outputs(pair_dirs, capsys, tmp_path):
     assert reused["decoders"]["ar"]["output_tokens"] == fresh["decoders"]["ar"]["output_tokens"]
     assert reused["decoders"]["ar"]["time_per_token_ms"] is None
 
-    # Another cap, a live run, or a file without some prompt: refused with the fix named.
+    # A smaller cap reads the recorded outputs cut to it, as a run with that cap decodes them.
+    main(bench_args(pair_dirs, "--verify", "replay", "--decoder", "ar,async", "--json", "-")
+         + ["--max-new-tokens", "5"])
+    short = json.loads(capsys.readouterr().out)
+    main(bench_args(pair_dirs, "--verify", "replay", "--decoder", "ar,async", "--ar-outputs", str(saved), "--json", "-")
+         + ["--max-new-tokens", "5"])
+    cut = json.loads(capsys.readouterr().out)
+    assert cut["decoders"]["ar"]["output_tokens"] == short["decoders"]["ar"]["output_tokens"]
+    assert cut["decoders"]["async"]["tau_per_prompt"] == short["decoders"]["async"]["tau_per_prompt"]
+    # A larger cap than recorded, a live run, or a file without some prompt: refused with the fix named.
     assert "--max-new-tokens" in error_of(capsys, bench_args(pair_dirs, "--verify", "replay", "--ar-outputs",
-                                                             str(saved)) + ["--max-new-tokens", "5"])
+                                                             str(saved)) + ["--max-new-tokens", "40"])
     assert "--verify replay" in error_of(capsys, bench_args(pair_dirs, "--ar-outputs", str(saved)))
     partial = tmp_path / "partial.jsonl"
     partial.write_text("".join(line + "\n" for line in saved.read_text().splitlines() if '"p1"' not in line))
@@ -335,6 +344,21 @@ def test_score_json_and_cache(pair_dirs, capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(prune.scoring, "record_trajectories", fail)
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)["layers"] == first["layers"]
+
+
+def test_score_measures_with_the_decoder_it_is_given(pair_dirs, capsys, tmp_path):
+    """--decoder sync scores layers by the sync decoder's tau: its base is what bench measures for sync with the
+    same pass times; the default, async, bench's async."""
+    common = ["--drafter", str(pair_dirs / "drafter"), "--target", str(pair_dirs / "target"), "--prompts",
+              str(pair_dirs / "prompts.jsonl"), "--max-new-tokens", "12", "--cache-dir", str(tmp_path), "--json", "-"]
+    assert main(["bench", *common, "--decoder", "sync,async", "--verify", "replay"]) == 0
+    bench = json.loads(capsys.readouterr().out)["decoders"]
+    for decoder in ("sync", "async"):
+        assert main(["score", *common, "--bootstrap", "20", "--no-wandb", "--decoder", decoder]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["settings"]["decoder"] == report["base"]["decoder"] == decoder
+        assert report["base"]["tau_per_prompt"] == bench[decoder]["tau_per_prompt"]
+    assert "invalid choice" in usage_error_of(capsys, ["score", *common, "--decoder", "ar"])
 
 
 @pytest.mark.parametrize("moved", ["device", "dtype"])

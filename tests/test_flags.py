@@ -8,6 +8,7 @@ flag added with a type is checked here without a new row.
 """
 
 import argparse
+import importlib
 import json
 import shutil
 
@@ -177,6 +178,10 @@ def no_model_loads(monkeypatch):
     def refuse(*_, **__):
         raise AssertionError("a model was loaded before the bad flag was refused")
 
+    # Modules that bind these functions by name at import bind the real ones here, not `refuse` for good.
+    for module in ("models.pair", "decode.generator", "prune.heal", "prune.progressive", "prune.speed",
+                   "sweeps.objective", "prune.trajectories"):
+        importlib.import_module(module)
     for where in ("models.pair.load_pair", "models.drafter.load_drafter", "models.target.load_target",
                   "models.demo.resolve_demo_target"):
         monkeypatch.setattr(where, refuse)

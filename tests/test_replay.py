@@ -66,6 +66,24 @@ def test_replay_with_a_longer_budget_than_recorded_is_refused(setup):
         decode_speculative("async", drafter, [ReplayVerifier(trajectories[0])], [prompt], longer)
 
 
+def test_an_output_recorded_under_a_larger_cap_replays_as_the_smaller_caps_greedy_output(setup):
+    """StopRule.replayed: the target's output recorded with one cap (or by an engine that did not stop at the
+    target's stop ids) is, cut by another stop rule, exactly what ar decodes under that rule; one that ends
+    short of the cap at a token that is no stop id cannot stand in for it."""
+    from dataclasses import replace
+
+    target, _, config, _ = setup
+    free = replace(config, max_new_tokens=37, stop_ids=())
+    for prompt in prompts():
+        recorded = decode_ar(target, prompt, free).output_ids  # 37 tokens, through any stop id
+        for cap, stops in ((37, ()), (9, ()), (37, (11,)), (9, (11,)), (37, tuple(recorded[3:4]))):
+            rule = replace(config, max_new_tokens=cap, stop_ids=stops)
+            assert rule.stop_rule.replayed(recorded) == decode_ar(target, prompt, rule).output_ids
+        shorter = replace(config, max_new_tokens=38, stop_ids=())
+        assert shorter.stop_rule.replayed(recorded) is None  # recorded with a smaller cap
+        assert replace(config, max_new_tokens=5).stop_rule.replayed([]) is None
+
+
 def test_lookahead_keeps_every_round_and_feeds_less(setup, monkeypatch):
     """Replay's lookahead (verify first, compute only the usable candidates) changes cost, not results."""
     from dataclasses import replace

@@ -14,6 +14,7 @@ import pytest
 from optuna.trial import TrialState
 
 from _pairs import prompt_ids, save_prompt_sets, save_tiny_pair, tiny_campaign
+from decode.timing import PINNED_TIMES_ENV
 from models.drafter import save_drafter
 from models.errors import CheckpointError, ConfigError
 from prune.cli import main
@@ -346,6 +347,28 @@ def test_sweep_cli_runs_and_summarizes(pair_dirs, tmp_path, capsys):
     assert main(["sweep", "--study", "cli", "--out", str(out), "--summary"]) == 0
     table = capsys.readouterr().out
     assert "best trial" in table and str(summary["best"]["number"]) in table
+
+
+def test_sweep_cli_scores_from_recorded_outputs_without_the_targets_weights(pair_dirs, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    recorded = tmp_path / "ar.jsonl"
+    for name in ("calib", "eval"):  # the target's outputs of the calibration, then the evaluation prompts
+        assert main(["bench", "--drafter", str(pair_dirs / "drafter"), "--target", str(pair_dirs / "target"),
+                     "--prompts", str(pair_dirs / f"{name}.jsonl"), "--max-new-tokens", "12", "--decoder", "ar",
+                     "--save-outputs", str(tmp_path / f"{name}.jsonl"), "--json", str(tmp_path / "bench.json"),
+                     "--cache-dir", str(tmp_path / "cache")]) == 0
+        with open(recorded, "a") as handle:
+            handle.write((tmp_path / f"{name}.jsonl").read_text())
+    shutil.copytree(pair_dirs, tmp_path / "pair")
+    (tmp_path / "pair" / "target" / "model.safetensors").unlink()
+    monkeypatch.setattr("models.target.load_target", lambda *a, **k: pytest.fail("the target's weights loaded"))
+    monkeypatch.delenv(PINNED_TIMES_ENV)  # no pass times pinned either
+    args = sweep_args(tmp_path / "pair", tmp_path / "sweep", "--n-trials", "1", "--ar-outputs", str(recorded))
+    assert "--pass-times" in error_of(capsys, args)  # it ranks trials by predicted speedup
+    assert main(args + ["--pass-times", str(tmp_path / "bench.json"), "--json", "-"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["counts"]["COMPLETE"] == 1 and summary["best"]["predicted_speedup"] > 0
 
 
 def error_of(capsys, argv) -> str:

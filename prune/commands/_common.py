@@ -220,11 +220,16 @@ def decode_configs(args, pair, drafters, log=None, **fields) -> list:
     (decode.timing.measure_drafters), so drafters compared in one run are timed under the same load. They
     are measured once per set of drafters, target, device (and GPU model), dtype, thread count and packed
     budget and kept in the cache folder (unless --no-cache), so that repeated runs choose the same widths:
-    decisions, tau and the score cache stay reproducible on one machine.
+    decisions, tau and the score cache stay reproducible on one machine. A command with --pass-times reads
+    them from its file instead, and one whose target is not loaded (--ar-outputs) without it takes pinned
+    times (decode.timing.pinned_times) or has none: its decoders then run with the fixed settings (PassTimes
+    None).
     """
     from decode.cost import PassTimes
-    from decode.timing import measure_drafters
+    from decode.timing import measure_drafters, pinned_times
     from prune.cache import cached_json
+
+    from ._target import given_pass_times
 
     base = DecodeConfig(**{"packed_budget": args.packed_budget, "draft_threads": args.draft_threads,
                            "tree_branches": tree_branches(args), **_settings.section_values(args, "decode"),
@@ -234,23 +239,22 @@ def decode_configs(args, pair, drafters, log=None, **fields) -> list:
     cache = cache_dir(args)
 
     def measure():
-        (log or _stderr)("measuring the pass times for the cost model (once; cached) ...")
-        warn_if_busy(cache, log or _stderr)
+        if pinned_times() is None:  # pinned times ($D3D_PRUNE_PASS_TIMES) time nothing
+            (log or _stderr)("measuring the pass times for the cost model (once; cached) ...")
+            warn_if_busy(cache, log or _stderr)
         measured = [times.to_dict() for times in measure_drafters(pair.target, drafters, base)]
         return measured[0] if len(measured) == 1 else measured  # one drafter: the record as before
 
-    record = pass_times_record(cache, pair.target, drafters, base)
-    stored = cached_json(record and record.parent, record and record.stem, measure)
-    stored = [stored] if isinstance(stored, dict) else stored
+    given = given_pass_times(args, pair, drafters, log)
+    if given is None:
+        record = pass_times_record(cache, pair.target, drafters, base)
+        stored = cached_json(record and record.parent, record and record.stem, measure)
+        given = [PassTimes(**record) for record in ([stored] if isinstance(stored, dict) else stored)]
     adaptive_width = args.width == "adaptive"
     adaptive_candidates = getattr(args, "candidates", "adaptive") == "adaptive"
     gate = gate_mode(args) == "adaptive"
-    configs = []
-    for record in stored:
-        times = PassTimes(**record)
-        configs.append((base.tuned_to(times, width=adaptive_width, candidates=adaptive_candidates, gate=gate),
-                        times))
-    return configs
+    return [(base.tuned_to(times, width=adaptive_width, candidates=adaptive_candidates, gate=gate)
+             if times is not None else base, times) for times in given]
 
 
 def pass_times_record(cache, target, drafters, decode: DecodeConfig) -> Path | None:
@@ -429,15 +433,18 @@ def show_progress(json_destination: str | None) -> bool:
     return json_destination != "-"
 
 
-def load_pair_and_prompts(args):
+def load_pair_and_prompts(args, target_weights: bool | None = None):
     """Everything a measuring command starts from: (pair, tokenized prompts, drafter dir, target path, source).
 
     Prompts are read before any model loads, so a bad prompt file fails at once; the context check runs
-    after tokenization.
+    after tokenization. `target_weights`: load the target's weights (None: unless the command's target outputs
+    are recorded and replayed, prune.commands._target.target_weights_needed; pair.target is then None).
     """
     from decode.prompts import check_context, tokenize_records
     from models.pair import load_pair
     from models.precision import dtype_name
+
+    from ._target import note_target_weights, target_weights_needed
 
     quiet_libraries()
     device = resolve_device(args.device)
@@ -446,7 +453,11 @@ def load_pair_and_prompts(args):
     records, source = prompt_records(args)
     drafter_dir, target_path = model_paths(args)
     warn_training_overlap(drafter_dir, records, source)
-    pair = load_pair(drafter_dir, target_path, dtype, device, args.drafter_dtype, drafter_keys(args, drafter_dir))
+    if target_weights is None:
+        target_weights = target_weights_needed(args)
+        note_target_weights(args, target_weights)
+    pair = load_pair(drafter_dir, target_path, dtype, device, args.drafter_dtype, drafter_keys(args, drafter_dir),
+                     target_weights=target_weights)
     prompts = tokenize_records(records, pair.tokenizer, not args.no_chat_template)
     check_context(prompts, args.max_new_tokens, pair.drafter.config.block_size, pair.max_positions)
     return pair, prompts, drafter_dir, target_path, source

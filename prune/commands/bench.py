@@ -87,8 +87,9 @@ def add_parser(subparsers) -> None:
                         help="with --verify replay: decode N prompts in lockstep (tau and exactness as one at a "
                         "time, in a fraction of the time; per-prompt times are then null)")
     parser.add_argument("--ar-outputs", metavar="FILE.jsonl", default=None, type=_types.text_file,
-                        help="with --verify replay: take the target's outputs from the ar lines of a --save-outputs "
-                        "file of the same target, prompts and --max-new-tokens instead of decoding them")
+                        help="with --verify replay: take the target's outputs from a file instead of decoding them: "
+                        "the ar lines of a --save-outputs file of the same target and prompts, or another engine's "
+                        "records (output_ids, with prompt_ids and/or id), recorded with at least --max-new-tokens")
     add_decode_args(parser)
     add_gate_arg(parser, None)
     add_tree_arg(parser)
@@ -134,7 +135,7 @@ def run(args) -> int:
 
     from prune.progress import progress_bar
 
-    ar_outputs = read_ar_outputs(args.ar_outputs, prompts) if args.ar_outputs else None
+    ar_outputs = recorded_outputs(args.ar_outputs, prompts, decode) if args.ar_outputs else None
     speculative = sum(d in DRAFTED for d in decoders)  # rows run once per drafter
     rows = len(decoders) - speculative + len(drafters) * speculative + ("ar" not in decoders)  # ar always runs
     with progress_bar("bench", len(prompts) * rows, enabled=show_progress(args.json)) as advance:
@@ -228,7 +229,7 @@ def load_models_and_prompts(args):
         for folder in others:
             check_pair(validate_checkpoint(folder, drafter_keys(args, folder)), target_config, load_tokenizer(folder),
                        target_tokenizer)
-    pair, prompts, first_dir, target_path, source = load_pair_and_prompts(first_args)
+    pair, prompts, first_dir, target_path, source = load_pair_and_prompts(first_args, target_weights=True)
     drafters = [(first_dir, pair.drafter)]
     for folder in others:
         weight = next(pair.drafter.parameters())  # every drafter computes as the first does
@@ -248,31 +249,22 @@ def load_assistant(path: str, pair):
     return load_target(path, weight.dtype, weight.device)
 
 
-def read_ar_outputs(path: str, prompts) -> list[list[int]]:
-    """The ar output ids per prompt (by id) from a file written by --save-outputs."""
-    from decode.prompts import read_jsonl
-    from models.errors import DataError
+def recorded_outputs(path: str, prompts, decode) -> list[list[int]]:
+    """The target's output ids per prompt under `decode`'s stop rule from a file of recorded outputs (one
+    --save-outputs wrote, or another engine; prune.trajectories, the reader score, run and sweep share)."""
+    from prune.trajectories import RecordedFile
 
-    recorded = {}
-    try:
-        for _, record in read_jsonl(path):
-            if record.get("decoder") == "ar":
-                recorded[str(record["id"])] = [int(t) for t in record["output_ids"]]
-    except (OSError, ValueError, KeyError, TypeError, DataError) as exc:
-        raise DataError(f"cannot read ar outputs from {path} ({exc}); pass a file written by --save-outputs") from None
-    missing = [p.id for p in prompts if p.id not in recorded]
-    if missing:
-        raise DataError(f"{path} has no ar output for prompt {missing[0]!r} ({len(missing)} missing); "
-                        "record it with --save-outputs on the same prompts")
-    return [recorded[p.id] for p in prompts]
+    return RecordedFile.open(path, prompts).outputs_for([p.input_ids for p in prompts], decode)
 
 
 def _save_outputs(path: str, prompts, outputs: dict, tokenizer) -> None:
-    """One line per prompt and row: id, decoder, drafter (speculative rows only), output ids, text."""
+    """One line per prompt and row: id, decoder, drafter (speculative rows only), prompt ids, output ids, text:
+    its ar lines are a recorded file of the target's outputs (prune.trajectories; --ar-outputs)."""
     with output_file(path) as handle:
         for (drafter, decoder), results in outputs.items():
             for prompt, result in zip(prompts, results):
-                line = {"id": prompt.id, "decoder": decoder, "output_ids": result.output_ids}
+                line = {"id": prompt.id, "decoder": decoder, "prompt_ids": prompt.input_ids,
+                        "output_ids": result.output_ids}
                 if drafter is not None:
                     line["drafter"] = drafter
                 if tokenizer is not None:

@@ -33,6 +33,7 @@ from ._common import (
 from ._heal import add_heal_data_arg, add_loss_data_arg, heal_examples, loss_data
 from ._help import PROMPTS, add_alias
 from ._settings import build
+from ._target import add_target_args, check_pass_times, target_for, trajectory_source
 
 EXAMPLES = """
 examples:
@@ -40,6 +41,8 @@ examples:
   prune run --drafter D --target T --prompts calib.jsonl --heal-data data/distill --out pruned
   prune run --out pruned --resume                          (continue an interrupted run)
   prune run --out pruned --layers-to-remove 5 --prescreen block-influence   (tau for 12 layers a round)
+  prune run --drafter D --target T --out pruned --ar-outputs ar.jsonl --pass-times bench.json
+        (the target's outputs recorded once: its weights load only for the speed check at the end)
 """
 RUN, SCORE, HEAL = defaults(RunConfig), defaults(ScoreConfig), defaults(HealConfig)
 # Flags renamed to their settings' names (prune/commands/_settings.py); the old spellings still work.
@@ -104,6 +107,7 @@ def add_parser(subparsers) -> None:
     add_screen_args(parser)
     add_prescreen_args(parser)
     add_loss_data_arg(parser)
+    add_target_args(parser)
     add_decode_args(parser)
     add_heal_data_arg(parser)
     parser.add_argument("--heal-steps", type=_types.non_negative_int, default=HEAL["steps"], metavar="N",
@@ -156,43 +160,46 @@ def _run(args) -> int:
     check_layer_budget(args)
     # One read of the source: the first --limit prompts calibrate, the next --check-prompts judge the steps.
     with_checks = argparse.Namespace(**{**vars(args), "limit": args.limit + args.check_prompts})
-    pair, tokenized, drafter_dir, target_path, source = load_pair_and_prompts(with_checks)
+    pair, tokenized, drafter_dir, target_path, prompts_source = load_pair_and_prompts(with_checks)
     args.dtype = with_checks.dtype
     prompts = [p.input_ids for p in tokenized[:args.limit]]
     checks = [p.input_ids for p in tokenized[args.limit:]]
     if len(checks) < args.check_prompts:
-        print(check_prompts_note(source, len(prompts), len(checks), args.check_prompts), file=sys.stderr)
+        print(check_prompts_note(prompts_source, len(prompts), len(checks), args.check_prompts), file=sys.stderr)
         args.check_prompts = len(checks)
     decode, times = decode_config(args, pair, max_new_tokens=args.max_new_tokens)
     examples, heal_data = heal_examples(args) if args.heal_steps > 0 else (None, None)  # no heal: no data to read
     config = run_config(args, decode, healing=bool(examples))
     config.validate(pair.drafter.config.num_hidden_layers)
+    check_pass_times(config.score.criterion, times)
     cache = cache_dir(args)
     replay = args.verify == "replay"
-    trajectories = cached_trajectories(cache, pair.target, prompts, decode) if replay else None
-    check_trajectories = (cached_trajectories(cache, pair.target, checks, config.check_score.decode)
+    source = trajectory_source(args, pair, tokenized)
+    trajectories = cached_trajectories(cache, source, prompts, decode) if replay else None
+    check_trajectories = (cached_trajectories(cache, source, checks, config.check_score.decode)
                           if replay and checks else None)
     drafter_hash = fingerprint(pair.drafter)
     tracker = make_tracker(args, "run", {
         "settings": config_record(config), "drafter": drafter_dir, "drafter_hash": drafter_hash,
-        "target": target_path, "prompts": source, "prompt_count": len(prompts), "check_prompt_count": len(checks),
+        "target": target_path, "prompts": prompts_source, "prompt_count": len(prompts),
+        "check_prompt_count": len(checks), "ar_outputs": args.ar_outputs,
         "heal_data": heal_data,
         "out": args.out, "resume": args.resume}, drafter_hash, out=args.out)
-    campaign = Campaign(pair.drafter, drafter_dir, prompts, pair.target, trajectories, examples, cache, checks,
+    campaign = Campaign(pair.drafter, drafter_dir, prompts, source, trajectories, examples, cache, checks,
                         check_trajectories, heal_data)
     shown = show_progress(args.json)
     hooks = RunHooks(log=lambda message: print(message, file=sys.stderr), on_step=tracker.on_step,
                      progress=functools.partial(progress_bar, enabled=shown), heal_progress=shown)
     try:
         timing = (None if args.resume and has_run(args.out) else
-                  campaign_timing(pair.drafter, config.score, pair.target, times, cache))
+                  campaign_timing(pair.drafter, config.score, source, times, cache))
         state = run_pruning(campaign, args.out, config, resume=args.resume, timing=timing,
                             export_dtype=args.export_dtype, hooks=hooks, max_shard_size=args.max_shard_size)
     except BaseException:
         tracker.finish(exit_code=1)
         raise
     if args.speed_prompts > 0 and state.speed is None:
-        _check_speed(args, state, pair, decode)
+        _check_speed(args, state, pair, decode, target_path)
     tracker.finish(state, args.out)
     write_json(state.to_dict(), args.json)
     print("\n".join(summary_lines(state.to_dict(), args.out)), file=sys.stderr)
@@ -228,9 +235,9 @@ def check_layer_budget(args) -> None:
                           "must remain); lower --per-step")
 
 
-def _check_speed(args, state, pair, decode) -> None:
+def _check_speed(args, state, pair, decode, target_path: str) -> None:
     """Run the measured speed check (prune.speed) and record it in `state` (a prune.state.RunState),
-    OUT/state.json and OUT/report.md."""
+    OUT/state.json and OUT/report.md; the target's weights load here where --ar-outputs left them unloaded."""
     from decode.prompts import tokenize_records
     from prune.report import write_report
     from prune.speed import measure_speed
@@ -246,8 +253,9 @@ def _check_speed(args, state, pair, decode) -> None:
               "with input_ids records, or --speed-prompts 0)", file=sys.stderr)
         return
     prompts = tokenize_records(records, pair.tokenizer, not args.no_chat_template)
+    target = target_for(args, pair, target_path, "the speed check (--speed-prompts 0 skips it)")
     print(f"measuring speed on {len(prompts)} held-out prompts ({source}) ...", file=sys.stderr)
-    state.speed = measure_speed(state, args.out, pair.drafter, pair.target, prompts, decode, source)
+    state.speed = measure_speed(state, args.out, pair.drafter, target, prompts, decode, source)
     save_state(args.out, state)
     write_report(args.out, state)
 

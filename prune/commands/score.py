@@ -29,6 +29,7 @@ from ._common import (
 )
 from ._help import PAIR, PROMPTS
 from ._settings import build
+from ._target import add_target_args, check_pass_times, trajectory_source
 
 EXAMPLES = """
 examples:
@@ -36,6 +37,10 @@ examples:
   prune score --drafter DRAFTER --target TARGET --prompts calib.jsonl --criterion speedup --json scores.json
   prune score --criterion block-influence                 (every layer from one pass per batch, no decoder)
   prune score --prescreen angular --prescreen-keep 12     (tau measured for the 12 layers angular ranks lowest)
+  prune bench --target TARGET --suite humaneval:calib --limit 16 --max-new-tokens 64 --decoder ar \
+      --save-outputs ar.jsonl --json bench.json                (record the target's outputs and pass times once)
+  prune score --drafter DRAFTER --target TARGET --ar-outputs ar.jsonl --pass-times bench.json
+                                                          (then score without loading the target's weights)
 """
 SCORE = defaults(ScoreConfig)
 
@@ -46,7 +51,8 @@ def add_parser(subparsers) -> None:
         "score",
         help="score every drafter layer by the drop in acceptance length without it",
         description="Score each layer of the drafter: tau of the drafter minus tau without that layer, "
-        "measured by the async decoder on calibration prompts (replayed target trajectories by default), "
+        "measured by the async (or --decoder sync) decoder on calibration prompts (replayed target trajectories "
+        "by default, decoded by the target or read from --ar-outputs), "
         "with a bootstrap confidence interval over prompts and the drafter's pass times without it. "
         "A ranking criterion (block-influence, angular, loss, last, random) scores every layer at once without "
         "the decoder. Layer indices are 0-based. Results are cached by drafter, target, prompts and settings."
@@ -58,6 +64,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--criterion", choices=tuple(CRITERIA), default=SCORE["criterion"], help=describe())
     parser.add_argument("--verify", choices=VERIFY_MODES, default=SCORE["verify"],
                         help="replay: target trajectories recorded once; live: the target in every evaluation")
+    add_target_args(parser)
     add_decode_args(parser)
     parser.add_argument("--batch-size", type=_types.positive_int, default=SCORE["batch_size"],
                         help="prompts per batched drafter pass (replay)")
@@ -85,25 +92,29 @@ def run(args) -> int:
     from prune.scoring import cached_scores, cached_trajectories, round_evaluations
     from prune.state import campaign_timing
 
+    from prune.trajectories import source_record
+
     pair, prompts, drafter_dir, target_path, source = load_pair_and_prompts(args)
+    trajectories_from = trajectory_source(args, pair, prompts)
     decode, times = decode_config(args, pair, max_new_tokens=args.max_new_tokens)
     config = build(args, "score", {"decode": decode, "loss_data": loss_data(args, (args.criterion, args.prescreen))})
     config.validate()
+    check_pass_times(config.criterion, times)
     ids = [p.input_ids for p in prompts]
     cache = cache_dir(args)
-    trajectories = cached_trajectories(cache, pair.target, ids, decode) if args.verify == "replay" else None
+    trajectories = cached_trajectories(cache, trajectories_from, ids, decode) if args.verify == "replay" else None
     # Every reduced drafter has one layer fewer: its pass times come from the drafter's cost per layer
     # (decode.cost.LayerCost, fitted on two depths) instead of 36 timings that differ only by noise. The
     # timing and the report are those `prune run` uses and caches for its first round.
-    timing = campaign_timing(pair.drafter, config, pair.target, times, cache)
+    timing = campaign_timing(pair.drafter, config, trajectories_from, times, cache)
     evaluations = round_evaluations(config, pair.drafter.config.num_hidden_layers, len(ids))
     started = time.monotonic()
     with progress_bar("score", evaluations, enabled=show_progress(args.json)) as advance:
-        report = cached_scores(cache, pair.drafter, ids, config, timing, pair.target, trajectories,
+        report = cached_scores(cache, pair.drafter, ids, config, timing, trajectories_from, trajectories,
                                on_layer=lambda *_: advance()).to_dict()
     # wall_s: this command's scoring round (near 0 when the report came from the cache; --no-cache measures it)
     report["settings"].update({"drafter": drafter_dir, "target": target_path, "prompts_source": source,
-                               "wall_s": time.monotonic() - started})
+                               "trajectories": source_record(trajectories_from), "wall_s": time.monotonic() - started})
     note = skipped_note(report)
     if note:
         print(note, file=sys.stderr)

@@ -31,6 +31,7 @@ from ._common import (
 from ._heal import add_heal_data_arg, add_loss_data_arg, heal_examples, loss_data
 from ._help import PROMPTS
 from ._settings import build
+from ._target import add_target_args, trajectory_source
 
 EXAMPLES = """
 examples:
@@ -39,6 +40,8 @@ examples:
   prune sweep --study s2 --n-trials 40 --directions maximize minimize      (Pareto front: retention vs layers)
   prune sweep --study s3 --n-trials 100 --storage postgresql://user:pass@db-host/optuna --out /scratch/s3
         (run the same command on every machine: the workers share the study and its 100-trial budget)
+  prune sweep --study s4 --n-trials 12 --ar-outputs ar.jsonl --pass-times bench.json
+        (the target's outputs of the calibration, then the evaluation prompts, recorded once: no target weights)
 """
 SWEEP, SCORE = defaults(SweepConfig), defaults(ScoreConfig)
 
@@ -95,6 +98,7 @@ def add_parser(subparsers) -> None:
                         help="JSONL evaluation prompts instead")
     parser.add_argument("--eval-limit", type=_types.positive_int, default=8, help="evaluation prompts used")
     parser.add_argument("--verify", choices=VERIFY_MODES, default=SCORE["verify"], help="verification in scoring")
+    add_target_args(parser)
     add_decode_args(parser)
     add_heal_data_arg(parser)  # without healing data the space's LoRA settings are not searched
     add_loss_data_arg(parser)
@@ -159,7 +163,13 @@ def _objective(args, config, space):
                                             "prompts": args.eval_prompts, "limit": args.eval_limit})
     evaluation = tokenize_records(prompt_records(evaluation_args)[0], pair.tokenizer, not args.no_chat_template)
     check_context(evaluation, args.max_new_tokens, pair.drafter.config.block_size, pair.max_positions)
+    source = trajectory_source(args, pair, calibration + evaluation)
     decode, times = decode_config(args, pair, max_new_tokens=args.max_new_tokens)
+    if times is None:
+        from models.errors import ConfigError
+
+        raise ConfigError("prune sweep ranks trials by predicted speedup (and its space may score layers by it), which "
+                          "needs the target's pass times; with --ar-outputs give --pass-times FILE.json")
     criteria = space.params["criterion"].choices if "criterion" in space.params else [space.fixed.get("criterion")]
     config.score = replace(config.score, decode=decode, loss_data=loss_data(args, criteria))
     calibration_ids = [p.input_ids for p in calibration]
@@ -167,14 +177,14 @@ def _objective(args, config, space):
     cache = cache_dir(args)
 
     def trajectories(ids):
-        return cached_trajectories(cache, pair.target, ids, decode) if args.verify == "replay" else None
+        return cached_trajectories(cache, source, ids, decode) if args.verify == "replay" else None
 
     examples, heal_data = heal_examples(args)
     if not examples:
         print("note: no --heal-data, so trials do not heal and the space's LoRA settings are not searched",
               file=sys.stderr)
     drafter_hash = fingerprint(pair.drafter)
-    data = SweepData(pair.drafter, drafter_dir, pair.target, calibration_ids, trajectories(calibration_ids),
+    data = SweepData(pair.drafter, drafter_dir, source, calibration_ids, trajectories(calibration_ids),
                      evaluation_ids, trajectories(evaluation_ids), examples, drafter_hash, times, cache, heal_data)
 
     def tracker_factory(trial, run_config):
