@@ -213,7 +213,7 @@ class HealConfig:
 
 # `prune heal`: one longer heal of a finished drafter, distilled from the drafter it was pruned from. On the
 # demo pair CE on the target's tokens left held-out tau where it was after 160 updates and KL to the unpruned
-# drafter raised it; docs/design.md (Healing a finished drafter) has the measurements.
+# drafter raised it; docs/design.md (Healing a finished drafter) says why, docs/results.md (Healing) measures it.
 FINISHING_HEAL = HealConfig(steps=160, distill_weight=1.0, warmup_steps=10, min_drop=0.0)
 
 
@@ -233,7 +233,7 @@ class RunConfig:
             of predicted speedup on the demo pair while 16 calibration prompts measure tau within about 2 %, so
             a positive tolerance prunes deeper; but the layers that score lowest on the calibration prompts
             lose more on held-out prompts than on them, and the strict rule is what keeps held-out tau
-            (docs/design.md, Progressive pruning, has both measured).
+            (docs/design.md, Progressive pruning; docs/results.md has both measured).
         check_prompts: prompts, disjoint from the calibration prompts, on which every step is judged: the unpruned
             drafter's tau, each step's tau before and after its heal, and so the retention floor, the heal rule and
             rollback and the speedup stop all read them. The calibration prompts chose the step's layers because

@@ -8,7 +8,7 @@ Failure policy: W&B never stops a pruning run. Any failure (wandb not installed,
 an error while logging) prints one warning, and tracking stays off for the rest of the process, so a
 sweep does not pay a network timeout per trial.
 
-The metric names below are stable: the saved dashboard (prune.dashboard) and the README depend on them.
+The metric names below are stable: the saved dashboard (prune.dashboard) and docs/design.md depend on them.
 Per-step metrics are plotted against `pruning/layers_removed`, heal losses against `heal/update`.
 """
 

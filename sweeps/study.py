@@ -3,7 +3,7 @@
 Storages are URLs (sweeps.storages: SQLite, PostgreSQL/MySQL, journal files). Database storages get
 heartbeats: a running trial records one every `heartbeat` seconds (`_Heartbeat` here), and a trial silent
 for `grace` seconds is marked FAIL by the next worker that looks and re-queued once. Journal storages have
-no heartbeats: a killed worker's trial stays RUNNING (see README).
+no heartbeats: a killed worker's trial stays RUNNING (docs/design.md, Tracking and sweeps).
 
 The budget (`n_trials`) is study-wide: however many workers run, exactly `n_trials` trials end COMPLETE
 or PRUNED. Trial numbers are the storage's atomic counter, so each worker:
