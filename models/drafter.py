@@ -4,6 +4,8 @@ Extra config keys (all plain JSON, ignored by anything that just loads Qwen3):
     block_size              B, mask slots drafted per pass.
     mask_token_id           the id fed at mask slots; never a real token of the target.
     draft_vocab_size        ids >= this are padding rows and are never proposed (default: vocab_size).
+    draft_vocab             optional: the K ids the drafter proposes from, kept in draft_vocab.safetensors
+                            beside the weights (models/draft_vocab.py; the head on disk stays whole).
     original_layer_indices  0-based indices, in the unpruned drafter, of the layers this one keeps.
 
 The rules these keys obey (and their validation) are models/drafter_config.py.
@@ -24,6 +26,8 @@ from .checkpoint import (
     read_config_json,
     read_safetensors_shapes,
 )
+from .draft_vocab import read_draft_vocab, set_draft_vocab, write_draft_vocab
+from .draft_vocab import draft_vocab as draft_vocab_of
 from .drafter_config import validate_config
 from .errors import CheckpointError, ConfigError
 from .provenance import FILE as PROVENANCE_FILE
@@ -134,7 +138,8 @@ def expected_weight_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
 
 
 def validate_checkpoint(folder: str | os.PathLike) -> Qwen3Config:
-    """Check a drafter folder without loading weights: config keys, file integrity, tensor names and shapes."""
+    """Check a drafter folder without loading weights: config keys, file integrity, tensor names and shapes, and
+    the draft vocabulary its config names (models/draft_vocab.py)."""
     folder = Path(folder)
     raw = read_config_json(folder)
     validate_config(raw, where=f"{folder}/config.json")
@@ -161,6 +166,7 @@ def validate_checkpoint(folder: str | os.PathLike) -> Qwen3Config:
             f"{folder}/{WEIGHTS_NAME}: tensor {name} has shape {list(found[name])}, config says "
             f"{list(expected[name])} ({len(wrong)} tensors differ)"
         )
+    read_draft_vocab(folder, raw)
     return config
 
 
@@ -172,11 +178,16 @@ def _names(names: list[str], limit: int = 3) -> str:
 def load_drafter(
     folder: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> Qwen3ForCausalLM:
-    """Validate and load a drafter folder (safetensors only) in eval mode with SDPA attention."""
+    """Validate and load a drafter folder (safetensors only) in eval mode with SDPA attention, with its draft
+    vocabulary where it has one."""
     validate_checkpoint(folder)
     model = AutoModelForCausalLM.from_pretrained(
         str(folder), dtype=dtype, attn_implementation="sdpa", use_safetensors=True, trust_remote_code=False
     )
+    ids = read_draft_vocab(folder, read_config_json(folder))
+    if ids is not None:
+        named = model.config.draft_vocab
+        set_draft_vocab(model, ids, named.get("source"), named.get("coverage"))
     return model.to(device).eval()
 
 
@@ -189,7 +200,8 @@ def save_drafter(
     extra_files: dict[str, str] | None = None,
     before_commit=None,
 ) -> Path:
-    """Write a drafter folder atomically: config.json, model.safetensors, tokenizer files, extra text files.
+    """Write a drafter folder atomically: config.json, model.safetensors, its draft vocabulary (where it has one),
+    tokenizer files, extra text files.
 
     Args:
         tokenizer_source: a folder whose tokenizer files (and record of training prompts,
@@ -204,6 +216,9 @@ def save_drafter(
         if dtype is not None and dtype != next(model.parameters()).dtype:
             to_save = copy.deepcopy(model).to(dtype)
         to_save.save_pretrained(str(tmp), safe_serialization=True)
+        ids = draft_vocab_of(model)
+        if ids is not None:
+            write_draft_vocab(tmp, ids)
         if tokenizer_source is not None:
             copy_tokenizer_files(tokenizer_source, tmp)
             # What the source was trained on stays true of its pruned and re-exported copies.
