@@ -199,3 +199,81 @@ def test_training_over_a_draft_vocabulary_stays_finite_when_a_target_is_outside_
     assert torch.isfinite(loss.total)
     loss.total.backward()
     assert torch.isfinite(cut.lm_head.weight.grad).all()
+
+
+# Which ids: ranking the target's answers, the held-out check, `prune vocab` and `prune validate`
+
+
+def write_distill_folder(folder, records: list[dict]):
+    """A one-shard distillation folder of `records` ({"prompt", "response_ids"}, prompt ids added)."""
+    folder.mkdir(parents=True)
+    lines = [json.dumps({"id": str(i), "prompt_ids": [5, 6], **r}) for i, r in enumerate(records)]
+    (folder / "shard-00000.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "manifest.json").write_text(json.dumps({"shards": 1, "max_new_tokens": 20}))
+    return folder
+
+
+ANSWERS = [{"prompt": "sort a list", "response_ids": [7, 7, 7, 12, 12, 40, 97, 98]},
+           {"prompt": "add two numbers", "response_ids": [12, 7, 3, 3]}]
+HELD_OUT = ({"Complete the following Python function:\ndef held_out():"}, {"HumanEval/10"})
+
+
+def test_ids_rank_by_how_often_the_target_says_them(tmp_path):
+    from prune.vocab import rank_tokens
+
+    folder = write_distill_folder(tmp_path / "data", ANSWERS)
+    ranking = rank_tokens([str(folder)], build_tiny_drafter().config, held_out=HELD_OUT)
+    # 7 four times, 12 three, 3 twice, 40 once; the mask id (97) and the padding row (98) never count
+    assert ranking.ids.tolist() == [7, 12, 3, 40] and ranking.counts.tolist() == [4, 3, 2, 1]
+    assert ranking.tokens == 10 and ranking.coverage(torch.tensor([7, 12])) == pytest.approx(0.7)
+    outputs = tmp_path / "outputs.jsonl"
+    outputs.write_text("\n".join(json.dumps(line) for line in (
+        {"id": "a", "decoder": "ar", "output_ids": [40, 40, 40, 40, 40]},
+        {"id": "a", "decoder": "async", "drafter": "d", "output_ids": [9] * 50})) + "\n")
+    both = rank_tokens([str(folder), str(outputs)], build_tiny_drafter().config, held_out=HELD_OUT)
+    assert both.ids.tolist() == [40, 7, 12, 3] and both.sha256 != ranking.sha256  # only the ar lines count
+
+
+def test_a_vocabulary_counted_on_calib_or_eval_prompts_is_refused(tmp_path):
+    from models.errors import DataError
+    from prune.vocab import rank_tokens
+
+    config = build_tiny_drafter().config
+    text = next(iter(HELD_OUT[0]))
+    leaked = write_distill_folder(tmp_path / "leaked", [*ANSWERS, {"prompt": text + "\n    pass", "response_ids": [9]}])
+    with pytest.raises(DataError, match="calib or eval prompt"):
+        rank_tokens([str(leaked)], config, held_out=HELD_OUT)
+    outputs = tmp_path / "eval-outputs.jsonl"
+    outputs.write_text(json.dumps({"id": "HumanEval/10", "decoder": "ar", "output_ids": [4, 5]}) + "\n")
+    with pytest.raises(DataError, match="HumanEval/10"):
+        rank_tokens([str(outputs)], config, held_out=HELD_OUT)
+    rank_tokens([str(leaked)], config, check=False)  # what the check guards is the only difference
+
+
+def test_prune_vocab_cuts_a_folder_that_validates_and_decodes_as_ar(tmp_path, capsys, monkeypatch):
+    from prune import vocab
+    from prune.cli import main
+    from prune.export import read_report, verify_export
+
+    monkeypatch.setattr(vocab, "held_out_prompts", lambda: HELD_OUT)
+    data = write_distill_folder(tmp_path / "data", ANSWERS)
+    drafter = save_drafter(build_tiny_drafter(seed=5), tmp_path / "drafter")
+    out = tmp_path / "cut"
+    assert main(["vocab", str(drafter), str(out), "--size", "3", "--data", str(data), "--json", "-"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["tokens"] == 3 and record["coverage"] == pytest.approx(0.9)
+    assert torch.equal(draft_vocab(load_drafter(out)), torch.tensor([7, 12, 3]))
+    report, history = read_report(out)
+    assert report["draft_vocab"]["tokens"] == 3 and report["draft_vocab"]["ranking"]["tokens"] == 10
+    assert history[-1] == {"step": "vocab", "head_rows": 3, "layers": 2, "coverage": 0.9}
+    assert verify_export(out) == [] and "proposes only from the 3 token ids" in (out / "README.md").read_text()
+    assert main(["validate", "--drafter", str(out), "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["draft_vocab_tokens"] == 3
+    # a second cut of a cut keeps the best of its own ids; one larger than it is refused
+    assert main(["vocab", str(out), str(tmp_path / "two"), "--size", "2", "--data", str(data)]) == 0
+    assert draft_vocab(load_drafter(tmp_path / "two")).tolist() == [7, 12]
+    capsys.readouterr()
+    assert main(["vocab", str(out), str(tmp_path / "big"), "--size", "5", "--data", str(data)]) == 1
+    assert "in 1..3" in capsys.readouterr().err and not (tmp_path / "big").exists()
+    assert main(["vocab", str(drafter), str(tmp_path / "none"), "--size", "5"]) == 1
+    assert "pass --data" in capsys.readouterr().err

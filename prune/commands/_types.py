@@ -204,6 +204,11 @@ def data_dir(text: str) -> str:
     return text
 
 
+def vocab_source(text: str) -> str:
+    """What a draft vocabulary is counted from: a distillation data folder, or a --save-outputs JSONL file."""
+    return data_dir(text) if Path(text).is_dir() else text_file(text)
+
+
 def suite(text: str) -> str:
     """A built-in prompt suite, NAME or NAME:train / NAME:calib / NAME:eval, or a mix of them joined by "+"."""
     from decode.suites import parse_mix

@@ -10,7 +10,8 @@ def add_parser(subparsers) -> None:
         "validate",
         help="check a drafter folder and its compatibility with a target",
         description="Check a drafter checkpoint without loading its weights: config keys, per-layer config "
-        "lists, safetensors integrity, tensor names and shapes; with --target also the vocabulary, mask id, "
+        "lists, safetensors integrity, tensor names and shapes, the draft vocabulary (its ids file against "
+        "config.json, reported as draft_vocab_tokens); with --target also the vocabulary, mask id, "
         "tokenizer and block size against the target.\n\nexample:\n  prune validate --drafter DRAFTER --target TARGET",
     )
     parser.add_argument("--drafter", required=True, type=_types.drafter_dir, help="drafter checkpoint folder")
@@ -36,6 +37,9 @@ def run(args) -> int:
         "mask_token_id": config.mask_token_id,
         "hidden_size": config.hidden_size,
         "vocab_size": config.vocab_size,
+        # the ids it proposes from (models/draft_vocab.py; validate_checkpoint checked the file): None = every id
+        "draft_vocab_tokens": (getattr(config, "draft_vocab", None) or {}).get("tokens"),
+        "draft_vocab": getattr(config, "draft_vocab", None),
         "compatible_with_target": None,
     }
     if args.target:
@@ -45,6 +49,6 @@ def run(args) -> int:
     if args.json:
         write_json(summary, args.json)
     if args.json != "-":
-        pairs = ", ".join(f"{k}={v}" for k, v in summary.items() if k not in ("original_layer_indices",))
+        pairs = ", ".join(f"{k}={v}" for k, v in summary.items() if k not in ("original_layer_indices", "draft_vocab"))
         print(f"OK: {pairs}")
     return 0
