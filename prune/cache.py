@@ -95,8 +95,9 @@ def pass_times_key(drafter, target, decode) -> str:
 
 def timing_key(drafter, target, decode, repeats: int, times: dict | None) -> str:
     """The key of a campaign's timing (prune.state.Timing) of `drafter` with `target`: the pass-times key,
-    the timed repeats and the pair's pass times it starts from (`times`: a PassTimes as a dict, or None)."""
-    return fingerprint("campaign-timing v3", pass_times_key(drafter, target, decode), repeats, times)
+    the timed repeats and the pair's pass times it starts from (`times`: a PassTimes as a dict, or None). v4:
+    the timing holds the head term (decode.cost.LayerCost); older entries are measured again."""
+    return fingerprint("campaign-timing v4", pass_times_key(drafter, target, decode), repeats, times)
 
 
 def score_key(drafter, target, prompts: list[list[int]], config, timing: dict) -> str:

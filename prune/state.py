@@ -47,8 +47,10 @@ class Timing:
     Attributes:
         layers: layer count of the drafter they were measured on (the unpruned one).
         draft, packed: the sync draft pass and the full-budget packed pass as affine functions of the drafter's
-            depth (decode.cost.LayerCost: fixed_ms + per_layer_ms x layers), fitted on the drafter and a
-            half-depth copy; JSON: [fixed_ms, per_layer_ms].
+            depth and head rows (decode.cost.LayerCost: fixed_ms + per_layer_ms x layers + per_row_ms x (rows -
+            the measured drafter's)), fitted on the drafter, a half-depth copy and a copy with a cut head; JSON:
+            [fixed_ms, per_layer_ms, per_row_ms, rows] ([fixed_ms, per_layer_ms] in runs saved before the head
+            term, which then predicts every head at the measured one's time).
         target: the pair's pass times (decode.cost.PassTimes: the target's ar step, verify slope, contention;
             JSON: its fields), or None when no target was timed.
         legacy: the timing as a state written before the cost model holds it (`layers`, `draft_ms`,
@@ -62,30 +64,33 @@ class Timing:
     target: PassTimes | None
     legacy: dict | None = None
 
-    def pass_times(self, layers: int) -> PassTimes | None:
-        """The pair's pass times with a `layers`-layer drafter of this campaign (None without target times)."""
+    def pass_times(self, layers: int, head_rows: int | None = None) -> PassTimes | None:
+        """The pair's pass times with a `layers`-layer drafter of this campaign whose head computes `head_rows`
+        rows (None: the measured drafter's; models.draft_vocab.head_rows), None without target times."""
         if self.target is None:
             return None
-        return self.target.with_drafter(self.draft.at(layers), self.packed.at(layers))
+        return self.target.with_drafter(self.draft.at(layers, head_rows), self.packed.at(layers, head_rows))
 
     def layer_costs(self) -> tuple[LayerCost, LayerCost]:
-        """(sync draft, packed) pass time as functions of depth."""
+        """(sync draft, packed) pass time as functions of depth and head rows."""
         return self.draft, self.packed
 
-    def packed_ms(self, layers: int) -> float:
-        """Modelled packed-pass time (ms) of a `layers`-layer drafter of this campaign."""
-        return self.packed.at(layers)
+    def packed_ms(self, layers: int, head_rows: int | None = None) -> float:
+        """Modelled packed-pass time (ms) of a `layers`-layer drafter of this campaign with `head_rows` head rows."""
+        return self.packed.at(layers, head_rows)
 
     def depth_text(self) -> str:
-        """What a layer costs on the measuring machine, in words (for the run's log and report)."""
+        """What a layer (and the head) costs on the measuring machine, in words (for the run's log and report)."""
         target = f", a {self.target.ar_ms:.1f} ms target step" if self.target is not None else ""
-        return f"a draft pass of {self.draft.fixed_ms:.1f} ms + {self.draft.per_layer_ms:.2f} ms per layer{target}"
+        head = (f" + {1000 * self.draft.per_row_ms:.2f} ms per 1000 head rows (of {self.draft.rows})"
+                if self.draft.rows else "")
+        return (f"a draft pass of {self.draft.fixed_ms:.1f} ms + {self.draft.per_layer_ms:.2f} ms per layer"
+                f"{head}{target}")
 
     def to_dict(self) -> dict:
         if self.legacy is not None:
             return dict(self.legacy)
-        return {"layers": self.layers, "draft": [self.draft.fixed_ms, self.draft.per_layer_ms],
-                "packed": [self.packed.fixed_ms, self.packed.per_layer_ms],
+        return {"layers": self.layers, "draft": self.draft.to_list(), "packed": self.packed.to_list(),
                 "target": self.target.to_dict() if self.target is not None else None}
 
     @classmethod
