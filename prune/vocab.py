@@ -100,24 +100,23 @@ def _kind(path: Path) -> str:
     return "folder" if path.is_dir() else "outputs"
 
 
-def held_out_prompts() -> tuple[set[str], set[str]] | None:
-    """(texts, ids) of every prompt of the built-in suites' calib and eval parts (every turn), or None after a
-    warning when the suites cannot be read here (the check is then skipped)."""
+def held_out_prompts() -> tuple[set[str], set[str]]:
+    """(texts, ids) of every prompt of the built-in suites' calib and eval parts (every turn), of the suites
+    whose data is here (nothing is downloaded for the check; a suite that is not here is named in a warning)."""
     from decode.suites import HELD_OUT_PARTS, SUITES, load_suite
     from models.errors import D3DError
 
     texts, ids = set(), set()
     for name in SUITES:
-        for part in HELD_OUT_PARTS:
-            try:
-                records = load_suite(f"{name}:{part}")
-            except D3DError as exc:
-                print(f"warning: cannot check the vocabulary's source against the {name} suite ({exc})",
-                      file=sys.stderr)
-                return None
-            for record in records:
-                ids.add(str(record["id"]))
-                texts.update(t.strip() for t in [record.get("prompt") or "", *(record.get("turns") or [])] if t.strip())
+        try:
+            records = [record for part in HELD_OUT_PARTS for record in load_suite(f"{name}:{part}", fetch=False)]
+        except D3DError as exc:
+            print(f"warning: the draft vocabulary's source is not checked against the {name} suite, whose data is "
+                  f"not here ({exc})", file=sys.stderr)
+            continue
+        for record in records:
+            ids.add(str(record["id"]))
+            texts.update(t.strip() for t in [record.get("prompt") or "", *(record.get("turns") or [])] if t.strip())
     return texts, ids
 
 
@@ -144,20 +143,28 @@ def rank_tokens(sources: list[str], config, held_out: tuple[set[str], set[str]] 
 
     `held_out`: the held-out prompts to refuse (texts, ids); None reads them from the built-in suites
     (`held_out_prompts`), unless `check` is False."""
-    from models.draft_vocab import proposable_ids
-
     if check and held_out is None:
         held_out = held_out_prompts()
-    proposable = proposable_ids(config)
-    counts = torch.zeros(int(proposable.max()) + 1, dtype=torch.int64)
+    answers = []
     for source in sources:
         path = Path(source)
-        answers = READERS[_kind(path)](path)
+        read = READERS[_kind(path)](path)
         if check:
-            check_not_held_out(answers, str(path), held_out)
-        said = torch.tensor([t for _, _, ids in answers for t in ids], dtype=torch.int64)
-        said = said[(said >= 0) & (said < counts.numel())]
-        counts += torch.bincount(said, minlength=counts.numel())
+            check_not_held_out(read, str(path), held_out)
+        answers += [ids for _, _, ids in read]
+    return ranking_of(answers, config, [str(s) for s in sources])
+
+
+def ranking_of(answers: list[list[int]], config, source: list[str]) -> TokenRanking:
+    """The TokenRanking of the target's `answers` (token ids each) for a drafter with `config`; `source` names
+    where they come from (already checked: see `rank_tokens`)."""
+    from models.draft_vocab import proposable_ids
+
+    proposable = proposable_ids(config)
+    counts = torch.zeros(int(proposable.max()) + 1, dtype=torch.int64)
+    said = torch.tensor([t for ids in answers for t in ids], dtype=torch.int64)
+    said = said[(said >= 0) & (said < counts.numel())]
+    counts += torch.bincount(said, minlength=counts.numel())
     allowed = torch.zeros_like(counts, dtype=torch.bool)
     allowed[proposable] = True
     counts[~allowed] = 0
@@ -165,9 +172,32 @@ def rank_tokens(sources: list[str], config, held_out: tuple[set[str], set[str]] 
     order = sorted(seen.tolist(), key=lambda i: (-int(counts[i]), i))
     ids = torch.tensor(order, dtype=torch.int64)
     if not ids.numel():
-        raise DataError(f"{', '.join(sources)} hold no answer token the drafter can propose; give distillation data "
+        raise DataError(f"{', '.join(source)} hold no answer token the drafter can propose; give distillation data "
                         "of this drafter's target")
-    return TokenRanking(ids, counts[ids], [str(s) for s in sources], int(counts.sum()))
+    return TokenRanking(ids, counts[ids], list(source), int(counts.sum()))
+
+
+def proposed_now(model) -> int:
+    """How many ids `model` proposes from now: its draft vocabulary's, else every proposable id."""
+    from models.draft_vocab import draft_vocab, proposable_ids
+
+    ids = draft_vocab(model)
+    return int(ids.numel()) if ids is not None else int(proposable_ids(model.config).numel())
+
+
+def next_head_size(sizes, model) -> int | None:
+    """The draft vocabulary size a head step of `model` tries next: the largest of `sizes` below the ids it
+    proposes from now (prune.config.RunConfig.vocab_sizes), None when none is."""
+    below = [size for size in sizes if size < proposed_now(model)]
+    return max(below) if below else None
+
+
+def cut_drafter(model, ranking: TokenRanking, size: int):
+    """A copy of `model` proposing from the `size` best-ranked of the ids it proposes now (`model` unchanged)."""
+    from models.draft_vocab import cut_ids, draft_vocab, with_draft_vocab
+
+    ids = cut_ids(draft_vocab(model), ranking.ids, size, model.config)
+    return with_draft_vocab(model, ids, ranking.describe(), ranking.coverage(ids))
 
 
 def vocab_record(model, ranking: TokenRanking | None = None) -> dict | None:
@@ -184,17 +214,14 @@ def cut_folder(source, destination, size: int, ranking: TokenRanking, overwrite:
     proposes now (models.draft_vocab.cut_ids), with its pruning history and a "vocab" row; returns the cut's
     record (tokens, coverage, source, ...)."""
     from models.checkpoint import ensure_writable_output
-    from models.draft_vocab import cut_ids, draft_vocab, set_draft_vocab
     from models.drafter import load_drafter
 
     from .export import export_step, read_report, resolve_export_dtype
 
     ensure_writable_output(destination, overwrite)
     source = Path(source).resolve()
-    model = load_drafter(source)
-    ids = cut_ids(draft_vocab(model), ranking.ids, size, model.config)
-    coverage = ranking.coverage(ids)
-    set_draft_vocab(model, ids, ranking.describe(), coverage)
+    model = cut_drafter(load_drafter(source), ranking, size)
+    coverage = model.config.draft_vocab["coverage"]
     report, history = read_report(source)
     report["exported_from"] = str(source)
     report.setdefault("source", str(source))  # the drafter `prune heal` distils from

@@ -41,9 +41,10 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
-def vocab_data(data: list[str] | None, drafter: str, flag: str = "--data") -> list[str] | None:
-    """The sources a draft vocabulary of `drafter` is counted on: `data`, else the demo drafter's shipped
-    distillation folders for the demo drafter or an export of it (its report's source), else None."""
+def vocab_data(data: list[str] | None, drafter: str | None, flag: str = "--data") -> list[str] | None:
+    """The sources a draft vocabulary of `drafter` (None: the demo drafter) is counted on: `data`, else the demo
+    drafter's shipped distillation folders for the demo drafter or an export of it (its report's source), else
+    None."""
     from pathlib import Path
 
     from prune.export import read_report
@@ -52,8 +53,8 @@ def vocab_data(data: list[str] | None, drafter: str, flag: str = "--data") -> li
 
     if data:
         return list(data)
-    source = read_report(drafter)[0].get("source") or drafter
-    demo = heal_data(None, None, source, flags=flag) or heal_data(None, None, drafter, flags=flag)
+    source = read_report(drafter)[0].get("source") if drafter is not None else None
+    demo = heal_data(None, None, drafter, flags=flag) or (source and heal_data(None, None, source, flags=flag))
     return [str(Path(folder)) for folder in demo[0]] if demo else None
 
 
