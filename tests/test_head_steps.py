@@ -107,3 +107,61 @@ def test_head_steps_without_a_ranking_are_refused_and_off_without_one(campaign, 
     # sizes at or above the ids the drafter proposes (97) offer no head step and need no ranking
     state = run(campaign, tmp_path / "c", config_of(decode, vocab_sizes=(2048, 97)), ranking=None)
     assert [h.get("head_rows") for h in state["history"]] == [None]
+
+
+# The command line: prune run with head steps killed mid-step, and the ids through prune export and prune heal
+
+from test_faults import forked, heal_args, pair, run_args  # noqa: E402,F401 - `pair`: the tiny pair fixture
+
+HEAD_ARGS = ("--vocab-sizes", "64,40", "--layers-to-remove", "1")
+# Where a kill lands, in the order the run reaches these points; each kill is followed by the next `--resume`
+# (counts are per process): head step 1's export, the state write that records it, head step 2's export,
+# the scoring round of the layer step.
+HEAD_KILLS = ("write:step-01", "write:state.json", "write:step-02", "score-layer")
+
+
+def test_a_run_with_head_steps_killed_anywhere_resumes_to_the_same_bytes(pair, tmp_path):
+    from prune.cli import main
+
+    reference = tmp_path / "reference"
+    code, err = forked(main, run_args(pair, reference, *HEAD_ARGS))
+    assert code == 0, err
+    state = json.loads((reference / "state.json").read_text())
+    assert [h.get("head_rows") for h in state["history"]] == [64, 40, None]
+    assert state["config"]["vocab_sizes"] == [64, 40] and state["vocab"]["source"] == [str(pair / "heal")]
+    out = tmp_path / "out"
+    for point in HEAD_KILLS:
+        code, err = forked(main, run_args(pair, out, *HEAD_ARGS, "--resume"), kill_at=point)
+        assert code == -9, f"not killed at {point}: {err}"
+        recorded = len(json.loads((out / "state.json").read_text())["history"]) if (out / "state.json").exists() else 0
+        if point == "write:step-01":
+            assert not (out / "step-01").exists() and recorded == 0
+        elif point == "write:state.json":  # the head step exported, its ids with it, the state not yet written
+            assert len(draft_vocab(load_drafter(out / "step-01"))) == 64 and recorded == 0
+        elif point == "write:step-02":
+            assert recorded == 1 and not (out / "step-02").exists()
+    code, err = forked(main, run_args(pair, out, *HEAD_ARGS, "--resume"))
+    assert code == 0, err
+    ours = json.loads((out / "state.json").read_text())
+    timed = ("predicted_speedup", "draft_pass_ms", "packed_pass_ms")
+
+    def strip(h):
+        return {k: v for k, v in h.items() if k not in (*timed, "scores")}
+
+    assert [strip(h) for h in ours["history"]] == [strip(h) for h in state["history"]]
+    for record in state["history"]:
+        for name in ("model.safetensors", FILE, "config.json"):
+            assert (out / record["folder"] / name).read_bytes() == (reference / record["folder"] / name).read_bytes()
+
+    # The ids survive a re-export and a heal of the final drafter, and a resume with other data is refused.
+    ids = draft_vocab(load_drafter(reference / "final"))
+    assert main(["export", str(reference / "final"), str(tmp_path / "exported"), "--dtype", "float32"]) == 0
+    assert torch.equal(draft_vocab(load_drafter(tmp_path / "exported")), ids)
+    code, err = forked(main, heal_args(pair, reference / "final", tmp_path / "healed"))
+    assert code == 0, err
+    healed = load_drafter(tmp_path / "healed")
+    assert torch.equal(draft_vocab(healed), ids) and healed.config.draft_vocab["tokens"] == 40
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"id": "x", "decoder": "ar", "output_ids": [5, 5, 6]}) + "\n")
+    code, err = forked(main, run_args(pair, out, *HEAD_ARGS, "--resume", "--vocab-data", str(other)))
+    assert code == 1 and "rank the ids of" in err, err
