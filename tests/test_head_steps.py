@@ -165,3 +165,21 @@ def test_a_run_with_head_steps_killed_anywhere_resumes_to_the_same_bytes(pair, t
     other.write_text(json.dumps({"id": "x", "decoder": "ar", "output_ids": [5, 5, 6]}) + "\n")
     code, err = forked(main, run_args(pair, out, *HEAD_ARGS, "--resume", "--vocab-data", str(other)))
     assert code == 1 and "rank the ids of" in err, err
+
+
+def test_a_sweep_searches_the_smallest_draft_vocabulary():
+    from types import SimpleNamespace
+
+    from sweeps.config import SweepConfig
+    from sweeps.objective import campaign_config, check_space
+    from sweeps.space import SearchSpace
+
+    space = SearchSpace.from_file()  # the default space searches it
+    assert space.params["vocab_size"].choices == [0, 8192, 4096, 2048]
+    config = SweepConfig(study="s", out="o")
+    sizes = {floor: campaign_config({"vocab_size": floor}, config)[0].vocab_sizes for floor in (0, 8192, 2048)}
+    assert sizes == {0: (), 8192: (32768, 16384, 8192), 2048: (32768, 16384, 8192, 4096, 2048)}
+    assert campaign_config({}, config)[0].vocab_sizes == config.vocab_sizes  # not in the space: every size
+    data = SimpleNamespace(drafter=SimpleNamespace(config=SimpleNamespace(num_hidden_layers=36)), calibration=[0] * 16,
+                           heal_examples=[1], vocab_ranking=None)
+    assert "vocab_size" not in check_space(space, data).params  # no ranking: nothing to search

@@ -29,6 +29,7 @@ from ._common import (
     write_json,
 )
 from ._heal import add_heal_data_arg, heal_examples
+from .run import add_vocab_args, vocab_ranking
 
 EXAMPLES = """
 examples:
@@ -92,6 +93,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--verify", choices=VERIFY_MODES, default=SCORE["verify"], help="verification in scoring")
     add_decode_args(parser)
     add_heal_data_arg(parser)  # without healing data the space's LoRA settings are not searched
+    add_vocab_args(parser)  # without the ids' ranking the space's vocab_size is not searched
     add_export_dtype_arg(parser)
     add_tracking_args(parser)
     add_debug(parser)
@@ -166,8 +168,11 @@ def _objective(args, config, space):
         print("note: no --heal-data, so trials do not heal and the space's LoRA settings are not searched",
               file=sys.stderr)
     drafter_hash = fingerprint(pair.drafter)
+    ranking = vocab_ranking(args, pair.drafter)
+    config.vocab_sizes = args.vocab_sizes if ranking is not None else ()
     data = SweepData(pair.drafter, drafter_dir, pair.target, calibration_ids, trajectories(calibration_ids),
-                     evaluation_ids, trajectories(evaluation_ids), examples, drafter_hash, times, cache, heal_data)
+                     evaluation_ids, trajectories(evaluation_ids), examples, drafter_hash, times, cache, heal_data,
+                     ranking)
 
     def tracker_factory(trial, run_config):
         name = f"{config.study}-trial-{trial.number:04d}"
