@@ -17,7 +17,8 @@ from models.draft_vocab import (FILE, check_ids, cut_ids, draft_vocab, head_rows
                                 with_draft_vocab)
 from models.drafter import load_drafter, save_drafter, validate_checkpoint
 from models.errors import CheckpointError, ConfigError
-from models.inference import TransformersDecoder, decoder_runner, draft_logits, masked_logits
+from models.inference import decoder_runner, draft_logits, masked_logits
+from models.lean import LeanDecoder
 from prune.cache import fingerprint
 
 POLICY = cost.WidthPolicy(slope=0.05, fixed=0.8)
@@ -47,22 +48,26 @@ def cut_pair():
     return target, drafter, with_draft_vocab(drafter, ids, source="test"), prompts
 
 
-@pytest.mark.parametrize("lean", [True, False])
-def test_the_head_over_a_draft_vocabulary_is_those_columns_of_the_full_head(lean):
+RUNNERS = {"lean": lambda model: decoder_runner(model, fused=True),
+           "lean, weights in place": lambda model: LeanDecoder(model, copies=False, fused=True),  # as on a GPU
+           "transformers": lambda model: decoder_runner(model, lean=False)}
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_the_head_over_a_draft_vocabulary_is_those_columns_of_the_full_head(runner):
     drafter = build_tiny_drafter(seed=3)
     ids = torch.tensor([5, 90, 0, 41, 17, 63])
     cut = with_draft_vocab(drafter, ids)
     hidden = torch.randn(7, 32, generator=torch.Generator().manual_seed(0))
-    full, _ = draft_logits(drafter, hidden, decoder_runner(drafter, lean, fused=True))
+    full, _ = draft_logits(drafter, hidden, RUNNERS[runner](drafter))
     for rows in (hidden[:1], hidden):  # one row (plain head) and several (prepacked where the CPU allows)
-        logits, columns = draft_logits(cut, rows, decoder_runner(cut, lean, fused=True))
+        logits, columns = draft_logits(cut, rows, RUNNERS[runner](cut))
         assert torch.equal(columns, ids) and logits.shape == (len(rows), len(ids))
         torch.testing.assert_close(logits, full[: len(rows), ids], rtol=1e-5, atol=1e-5)
     # training's full-width view: the ids outside the vocabulary at -inf, the others as the head gives them
     masked = masked_logits(cut, hidden)
     assert torch.isfinite(masked).sum(-1).tolist() == [len(ids)] * 7
     torch.testing.assert_close(masked[:, ids], full[:, ids], rtol=1e-5, atol=1e-5)
-    assert isinstance(decoder_runner(cut, lean=False), TransformersDecoder)
 
 
 @pytest.mark.parametrize("decoder,concurrent", [("sync", True), ("async", True), ("async", False)])
