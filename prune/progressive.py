@@ -315,8 +315,8 @@ def _score_round(run: _Run, current, state: RunState, take: int) -> ScoreReport:
     scores (RunConfig.carry_screen; prune.scoring.score_layers, `carried`)."""
     c = run.campaign
     layers, step = current.config.num_hidden_layers, len(state.history) + 1
-    carried = (carried_scores(state.last.scores, state.last.removed)
-               if state.history and run.config.carry_screen else None)
+    scored = next((h for h in reversed(state.history) if h.scores), None)  # head steps score no layer
+    carried = carried_scores(scored.scores, scored.removed) if scored and run.config.carry_screen else None
     journal = ScoringJournal.for_round(run.out, step, state.config, state.timing.to_dict(), c.prompts,
                                        c.trajectories, carried and [asdict(s) for s in carried],
                                        *model_identity(current))
