@@ -86,18 +86,39 @@ class PassTimes:
 
 @dataclass(frozen=True)
 class LayerCost:
-    """A drafter pass time that is affine in the drafter's depth: fixed_ms + per_layer_ms x layers.
+    """A drafter pass time that is affine in the drafter's depth and in its head's rows:
+    fixed_ms + per_layer_ms x layers + per_row_ms x (head rows - rows).
 
-    Small drafters are bound by per-layer cost, plus a fixed part (embedding, lm_head, top-k) that
-    removing layers does not shorten. Fitted from two measured depths (decode.timing.drafter_layer_costs),
-    it predicts every pruned depth without timing noise between steps.
+    Small drafters are bound by per-layer cost, plus a part (embedding, lm_head, top-k) that removing layers
+    does not shorten. Of that part the head's product, its softmax and top-k grow with the rows it computes: a
+    draft vocabulary (models/draft_vocab.py) computes fewer. `fixed_ms` is the part at `rows` head rows (those
+    of the drafter it was measured on); `per_row_ms` what each row costs (0 with `rows` 0: no head term, as
+    records made before it). Fitted from two measured depths and a cut head (decode.timing.drafter_layer_costs),
+    it predicts every pruned depth and head without timing noise between steps.
     """
 
     fixed_ms: float
     per_layer_ms: float
+    per_row_ms: float = 0.0
+    rows: int = 0
 
-    def at(self, layers: int) -> float:
-        return self.fixed_ms + self.per_layer_ms * layers
+    def at(self, layers: int, rows: int | None = None) -> float:
+        """The pass of a `layers`-layer drafter whose head computes `rows` rows (None: as measured)."""
+        head = self.per_row_ms * (rows - self.rows) if rows is not None and self.rows else 0.0
+        return max(0.0, self.fixed_ms + self.per_layer_ms * layers + head)
+
+    def with_head(self, rows_a: int, ms_a: float, rows_b: int, ms_b: float) -> "LayerCost":
+        """This cost with its head term: the line through a pass of a head of `rows_a` rows (the measured
+        drafter's, `fixed_ms` at them) taking `ms_a` and one of `rows_b` rows taking `ms_b` at the same depth,
+        kept physical (a negative slope, noise, is no head term)."""
+        if rows_a == rows_b:
+            return self
+        return dataclasses.replace(self, per_row_ms=max(0.0, (ms_a - ms_b) / (rows_a - rows_b)), rows=rows_a)
+
+    def to_list(self) -> list:
+        """As a state or cache stores it: [fixed_ms, per_layer_ms], and per_row_ms and rows with a head term."""
+        head = [self.per_row_ms, self.rows] if self.rows else []
+        return [self.fixed_ms, self.per_layer_ms, *head]
 
     @classmethod
     def fit(cls, layers_a: int, ms_a: float, layers_b: int, ms_b: float) -> "LayerCost":

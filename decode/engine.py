@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.inference import decoder_runner, masked_logits
+from models.inference import decoder_runner, draft_logits
 from models.lean import packed_index
 from models.masks import BlockSpec, batch_layouts, block_layout, mask_from_table, query_table
 from models.transfer import upload_parts
@@ -200,10 +200,14 @@ class DraftEngine:
             self._host_wait()  # a pass with nothing to read still ends in a host wait
             return [[] for _ in layouts]
         slots = hidden[index_r, index_q]
-        logits = masked_logits(self.model, slots, self.runner.logits)
+        # Over a draft vocabulary the head computes its rows alone (a distribution renormalised over them), and
+        # its columns map back to target ids here (models/draft_vocab.py).
+        logits, ids = draft_logits(self.model, slots, self.runner)
         # The few top probabilities without the full softmax: exp(logit - logsumexp) (blocks * B, F + 1).
-        top_l, top_i = top_k(logits, self.fan_out + 1)
+        top_l, top_i = top_k(logits, min(self.fan_out + 1, logits.shape[-1]))
         top_p = (top_l - logits.logsumexp(dim=-1, keepdim=True)).exp()
+        if ids is not None:
+            top_i = ids[top_i]
         top_p = top_p.view(len(reads), self.block_size, -1)
         top_i = top_i.view(len(reads), self.block_size, -1)
         if self.device.type == "cuda":  # both copies queued, then one sync (instead of one per tolist)

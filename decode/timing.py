@@ -46,8 +46,9 @@ class PinnedTimes:
 
     The target's passes are PassTimes' (ar_ms, per_token_ms, step_ms, contention); a drafter's sync draft
     and full-budget packed pass are affine in its depth (`draft`, `packed`: decode.cost.LayerCost), so
-    pruned drafters read cheaper as measured ones do. The JSON file holds these fields, the two layer
-    costs as {"fixed_ms": F, "per_layer_ms": L}.
+    pruned drafters read cheaper as measured ones do, and in its head's rows where `per_row_ms` is given
+    (a draft vocabulary, models/draft_vocab.py). The JSON file holds these fields, the two layer costs as
+    {"fixed_ms": F, "per_layer_ms": L, "per_row_ms": R (optional)}.
     """
 
     ar_ms: float
@@ -57,11 +58,24 @@ class PinnedTimes:
     contention: float = 0.0
     step_ms: float = 0.0
 
+    def layer_costs(self, rows: int) -> tuple[LayerCost, LayerCost]:
+        """(sync draft, packed) LayerCost of a drafter whose head computes `rows` rows: the pinned record's
+        `per_row_ms` counts every row (a record without it has no head term)."""
+        def at_rows(cost: LayerCost) -> LayerCost:
+            if not cost.per_row_ms:
+                return LayerCost(cost.fixed_ms, cost.per_layer_ms)
+            return LayerCost(cost.fixed_ms + cost.per_row_ms * rows, cost.per_layer_ms, cost.per_row_ms, rows)
+
+        return at_rows(self.draft), at_rows(self.packed)
+
     def for_drafter(self, drafter, packed_budget: int) -> PassTimes:
         """The PassTimes `measure_pass_times` would return for `drafter` at `packed_budget`."""
+        from models.draft_vocab import head_rows
+
         layers = drafter.config.num_hidden_layers
+        draft, packed = self.layer_costs(head_rows(drafter))
         draft_tokens, packed_tokens = pass_tokens(drafter.config.block_size, packed_budget)
-        return PassTimes(self.ar_ms, self.per_token_ms, self.draft.at(layers), self.packed.at(layers),
+        return PassTimes(self.ar_ms, self.per_token_ms, draft.at(layers), packed.at(layers),
                          self.contention, draft_tokens, packed_tokens, self.step_ms)
 
     def to_dict(self) -> dict:
@@ -289,10 +303,26 @@ def _line(ms_by_width: dict[int, float]) -> tuple[float, float]:
     return first_ms - slope * (first - 1), slope
 
 
+# A cut head is timed at this many rows (or a quarter of the head, if less): the smallest draft vocabulary a
+# campaign tries (prune.config.RunConfig.vocab_sizes), so its predictions interpolate.
+HEAD_PROBE_ROWS = 2048
+
+
+def head_probe(drafter):
+    """A copy of `drafter` whose head computes `HEAD_PROBE_ROWS` of its rows (a quarter where it has fewer), and
+    that row count; which ids does not matter to the time."""
+    from models.draft_vocab import cut_ids, draft_vocab, head_rows, with_draft_vocab
+
+    rows = max(1, min(HEAD_PROBE_ROWS, head_rows(drafter) // 4))
+    ids = cut_ids(draft_vocab(drafter), torch.zeros(0, dtype=torch.int64), rows, drafter.config)
+    return with_draft_vocab(drafter, ids), rows
+
+
 def drafter_layer_costs(drafter, packed_budget: int, repeats: int = 5, full: tuple[float, float] | None = None,
                         target=None, context: int = 64) -> tuple[LayerCost, LayerCost]:
-    """(sync draft, packed) pass time as affine functions of depth, fitted on `drafter` and on a copy
-    without its second half of layers (decode.cost.LayerCost).
+    """(sync draft, packed) pass time as affine functions of depth and head rows, fitted on `drafter`, on a copy
+    without its second half of layers and on a copy whose head computes a few of its rows (`head_probe`;
+    decode.cost.LayerCost).
 
     With `target`, both depths are timed in one interleaved measurement, each pass right after an untimed
     verify pass of width B/2 as in decoding (measure_pass_times does the same): a small drafter timed
@@ -301,32 +331,40 @@ def drafter_layer_costs(drafter, packed_budget: int, repeats: int = 5, full: tup
     when already measured (measure_pass_times); the fit then passes through them. Without a target the
     half-depth copy is timed alone. Pinned times (`pinned_times`) give their own layer costs.
     """
+    from models.draft_vocab import head_rows
+
+    layers, rows = drafter.config.num_hidden_layers, head_rows(drafter)
     pinned = pinned_times()
     if pinned is not None:
-        return pinned.draft, pinned.packed
-    layers = drafter.config.num_hidden_layers
-    if layers < 2:
-        full = full or drafter_pass_ms(drafter, packed_budget, repeats, context)
-        return LayerCost(0.0, full[0] / layers), LayerCost(0.0, full[1] / layers)
-    half = remove_layers(drafter, list(range(layers // 2, layers)))
-    depth = half.config.num_hidden_layers
+        return pinned.layer_costs(rows)
+    cut, cut_rows = head_probe(drafter)
+    models = {"full": drafter, "head": cut}
+    if layers >= 2:
+        models["half"] = remove_layers(drafter, list(range(layers // 2, layers)))
     if target is None:
-        full = full or drafter_pass_ms(drafter, packed_budget, repeats, context)
-        shallow = drafter_pass_ms(half, packed_budget, repeats, context)
+        ms = {name: drafter_pass_ms(model, packed_budget, repeats, context) for name, model in models.items()
+              if name != "full" or full is None}
+        measured = ms.get("full", full)
     else:
-        probes = {"full": _DrafterProbe(drafter, packed_budget, context), "half": _DrafterProbe(half, packed_budget, context)}
-        runs = {(depth_name, kind): functools.partial(probe.run, getattr(probe, kind))
-                for depth_name, probe in probes.items() for kind in ("draft", "packed")}
+        probes = {name: _DrafterProbe(model, packed_budget, context) for name, model in models.items()}
+        runs = {(name, kind): functools.partial(probe.run, getattr(probe, kind))
+                for name, probe in probes.items() for kind in ("draft", "packed")}
         target_probe = _TargetProbe(target, context)
         verify = functools.partial(target_probe.run, max(2, drafter.config.block_size // 2))
-        ms = _interleaved_ms(runs, repeats, probes["full"].engine.device, before={name: verify for name in runs})
-        measured = (ms[("full", "draft")], ms[("full", "packed")])
-        shallow = (ms[("half", "draft")], ms[("half", "packed")])
-        if full is not None:
-            # The depth dependence from this measurement (both depths under the same conditions), the level
-            # from the pair's own pass times, so the fit meets them at full depth: a separate measurement of
-            # the full drafter here read 36 ms where the pair's read 46 ms, and every prediction moved with it.
-            shallow = tuple(f * s / m for f, s, m in zip(full, shallow, measured))
+        times = _interleaved_ms(runs, repeats, probes["full"].engine.device, before={name: verify for name in runs})
+        ms = {name: (times[(name, "draft")], times[(name, "packed")]) for name in models}
+        measured = ms["full"]
+    # With the pair's own pass times (`full`), the depth and head dependence come from this measurement (every
+    # copy under the same conditions) and the level from the pair's times, so the fit meets them at full depth:
+    # a separate measurement of the full drafter here read 36 ms where the pair's read 46 ms, and every
+    # prediction moved with it.
+    full = full or measured
+    scaled = {name: tuple(f * s / m for f, s, m in zip(full, ms[name], measured)) for name in models if name != "full"}
+    costs = []
+    for kind in range(2):
+        if layers < 2:
+            cost = LayerCost(0.0, full[kind] / layers)
         else:
-            full = measured
-    return (LayerCost.fit(layers, full[0], depth, shallow[0]), LayerCost.fit(layers, full[1], depth, shallow[1]))
+            cost = LayerCost.fit(layers, full[kind], models["half"].config.num_hidden_layers, scaled["half"][kind])
+        costs.append(cost.with_head(rows, full[kind], cut_rows, scaled["head"][kind]))
+    return costs[0], costs[1]

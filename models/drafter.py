@@ -4,6 +4,8 @@ Extra config keys (all plain JSON, ignored by anything that just loads Qwen3):
     block_size              B, mask slots drafted per pass.
     mask_token_id           the id fed at mask slots; never a real token of the target.
     draft_vocab_size        ids >= this are padding rows and are never proposed (default: vocab_size).
+    draft_vocab             optional: the K ids the drafter proposes from, kept in draft_vocab.safetensors
+                            beside the weights (models/draft_vocab.py; the head on disk stays whole).
     original_layer_indices  0-based indices, in the unpruned drafter, of the layers this one keeps.
 
 The rules these keys obey, their validation and where a checkpoint may keep them (top level or a nested block,
@@ -20,6 +22,8 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from .checkpoint import atomic_folder, copy_tokenizer_files, read_config_json
+from .draft_vocab import draft_vocab as draft_vocab_of
+from .draft_vocab import read_draft_vocab, set_draft_vocab, write_draft_vocab
 from .drafter_config import validate_config, with_drafter_keys
 from .errors import CheckpointError, ConfigError
 from .provenance import FILE as PROVENANCE_FILE
@@ -132,8 +136,8 @@ def expected_weight_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
 
 def validate_checkpoint(folder: str | os.PathLike, drafter_keys: dict | None = None) -> Qwen3Config:
     """Check a drafter folder without loading weights: config keys, the integrity of every weight file (one
-    file or shards and their index, models/shards.py), tensor names and shapes; returns its config with the
-    drafter keys at the top level.
+    file or shards and their index, models/shards.py), tensor names and shapes, and the draft vocabulary its
+    config names (models/draft_vocab.py); returns its config with the drafter keys at the top level.
 
     `drafter_keys`: {"block_size": B, "mask_token_id": ID} for a checkpoint whose config.json lacks them
     (models.drafter_config.with_drafter_keys)."""
@@ -165,6 +169,7 @@ def validate_checkpoint(folder: str | os.PathLike, drafter_keys: dict | None = N
             f"{held[name][1]}: tensor {name} has shape {list(found[name])}, config says "
             f"{list(expected[name])} ({len(wrong)} tensors differ)"
         )
+    read_draft_vocab(folder, raw)
     return config
 
 
@@ -179,7 +184,8 @@ def load_drafter(
     device: str | torch.device = "cpu",
     drafter_keys: dict | None = None,
 ) -> Qwen3ForCausalLM:
-    """Validate and load a drafter folder (safetensors: one file or shards) in eval mode with SDPA attention.
+    """Validate and load a drafter folder (safetensors: one file or shards) in eval mode with SDPA attention,
+    with its draft vocabulary where it has one.
 
     The weights stream in file by file into the model (transformers' loader), so loading holds one copy of
     them; the config is the validated one, with the drafter keys at its top level (`drafter_keys`: as in
@@ -189,6 +195,10 @@ def load_drafter(
         str(folder), config=config, dtype=dtype, attn_implementation="sdpa", use_safetensors=True,
         trust_remote_code=False,
     )
+    ids = read_draft_vocab(folder, read_config_json(folder))
+    if ids is not None:
+        named = model.config.draft_vocab
+        set_draft_vocab(model, ids, named.get("source"), named.get("coverage"))
     return model.to(device).eval()
 
 
@@ -203,7 +213,8 @@ def save_drafter(
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
     """Write a drafter folder atomically: config.json, the weights (model.safetensors, or shards and their index
-    above `max_shard_size`, models/shards.py), tokenizer files, extra text files.
+    above `max_shard_size`, models/shards.py), its draft vocabulary (where it has one), tokenizer files, extra
+    text files.
 
     Args:
         tokenizer_source: a folder whose tokenizer files (and record of training prompts,
@@ -220,6 +231,9 @@ def save_drafter(
         if dtype is not None and dtype != next(model.parameters()).dtype:
             to_save = copy.deepcopy(model).to(dtype)
         to_save.save_pretrained(str(tmp), safe_serialization=True, max_shard_size=parse_size(max_shard_size))
+        ids = draft_vocab_of(model)
+        if ids is not None:
+            write_draft_vocab(tmp, ids)
         if tokenizer_source is not None:
             copy_tokenizer_files(tokenizer_source, tmp)
             # What the source was trained on stays true of its pruned and re-exported copies.

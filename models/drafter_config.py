@@ -1,7 +1,7 @@
 """The drafter's config rules: its extra keys, their bounds and their validation (docs/design.md, Layer surgery).
 
 A drafter config is a Qwen3 config (`model_type` "qwen3") carrying `block_size` and `mask_token_id`, and
-optionally `draft_vocab_size` and `original_layer_indices` (models/drafter.py describes them). Nothing
+optionally `draft_vocab_size`, `draft_vocab` and `original_layer_indices` (models/drafter.py describes them). Nothing
 here imports torch or transformers: the command line checks flags against these rules before a model loads.
 
 A checkpoint's config.json may keep the two drafter keys at its top level or in a nested block, as
@@ -99,6 +99,7 @@ def validate_config(config, where: str = "drafter config") -> None:
     draft_vocab = get("draft_vocab_size") or vocab_size
     if not 0 < draft_vocab <= vocab_size:
         raise ConfigError(f"{where}: draft_vocab_size {draft_vocab} must be in 1..vocab_size ({vocab_size})")
+    _validate_draft_vocab(get("draft_vocab"), draft_vocab, where)
     heads, kv_heads = get("num_attention_heads"), get("num_key_value_heads")
     if heads and kv_heads and heads % kv_heads:
         raise ConfigError(f"{where}: num_attention_heads {heads} must be a multiple of num_key_value_heads "
@@ -115,6 +116,16 @@ def validate_config(config, where: str = "drafter config") -> None:
         raise ConfigError(
             f"{where}: original_layer_indices {kept} must list {layers} distinct increasing layer indices"
         )
+
+
+def _validate_draft_vocab(named, proposable: int, where: str) -> None:
+    """The `draft_vocab` key (models/draft_vocab.py): a file name in the folder and 1..proposable tokens."""
+    if named is None:
+        return
+    tokens, file = (named.get("tokens"), named.get("file")) if isinstance(named, dict) else (None, None)
+    if not isinstance(tokens, int) or not 0 < tokens <= proposable or not isinstance(file, str) or "/" in file:
+        raise ConfigError(f"{where}: draft_vocab {named!r} must name a file in the folder and 1..{proposable} tokens; "
+                          "cut the head again with prune vocab")
 
 
 def draft_vocab_limit(config) -> int:

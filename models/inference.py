@@ -1,7 +1,8 @@
 """Run a model's decoder stack (lean or transformers) and read per-slot logits.
 
-The decoder layers run on every query token; the lm_head runs only on the rows asked for, because at
-vocabulary sizes of 50k-150k the head dominates a small drafter's pass. `decoder_runner` picks the
+The decoder layers run on every query token; the lm_head runs only on the rows asked for, and a drafter's
+only on its draft vocabulary where it has one (models/draft_vocab.py), because at vocabulary sizes of
+50k-150k the head dominates a small drafter's pass. `decoder_runner` picks the
 runner the decoders use: the lean forward of models/lean.py where it applies, transformers' otherwise.
 """
 
@@ -16,7 +17,8 @@ from transformers import DynamicCache
 from .cache import DynamicKV
 from .drafter_config import draft_vocab_limit
 from .errors import ConfigError
-from .lean import LeanDecoder, can_prepack, forget_unused
+from .draft_vocab import draft_vocab
+from .lean import LeanDecoder, can_prepack, forget_unused, head_product
 from .masks import BatchedLayout
 
 
@@ -36,11 +38,32 @@ def drafter_hidden(
     return TransformersDecoder(model).forward(input_ids, layout.positions, layout.mask, DynamicKV(cache))
 
 
-def masked_logits(model: torch.nn.Module, hidden: torch.Tensor, head=None) -> torch.Tensor:
-    """Float32 logits `(..., vocab)` of `hidden` `(..., hidden_size)`, with the mask id and padding rows at -inf.
+def masked_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Float32 logits `(..., vocab)` of `hidden` `(..., hidden_size)` over the whole head, every id the drafter
+    never proposes at -inf: the mask id, padding rows, and the ids outside its draft vocabulary where it has
+    one (models/draft_vocab.py). The full-width view training and expected acceptance read; decoding computes
+    the proposable rows alone (`draft_logits`)."""
+    logits = model.lm_head(hidden).float()
+    ids = draft_vocab(model)
+    if ids is not None:
+        outside = torch.full((logits.shape[-1],), float("-inf"), device=logits.device)
+        outside[ids] = 0.0
+        return logits + outside
+    return _mask_unproposable(model, logits)
 
-    `head`: the function that applies the lm_head (a runner's `logits`); default `model.lm_head`."""
-    logits = (head or model.lm_head)(hidden).float()
+
+def draft_logits(model: torch.nn.Module, hidden: torch.Tensor, runner) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The drafter's float32 logits `(..., R)` for `hidden` `(..., hidden_size)` over the ids it may propose, as
+    its runner's head computes them, and the ids of those columns: (logits over the whole head with the mask
+    id and padding rows at -inf, None), or, with a draft vocabulary, (logits over its K rows alone, its ids
+    int64 `(K,)`; every one proposable)."""
+    logits = runner.logits(hidden).float()
+    ids = getattr(runner, "head_ids", None)
+    return (logits, ids) if ids is not None else (_mask_unproposable(model, logits), None)
+
+
+def _mask_unproposable(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """Full-width `logits` (in place) with the mask id and the padding rows at -inf."""
     logits[..., model.config.mask_token_id] = float("-inf")
     limit = draft_vocab_limit(model.config)
     if limit < logits.shape[-1]:
@@ -56,6 +79,7 @@ class TransformersDecoder:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
+        self.head_ids = draft_vocab(model)  # the head's rows (None: all), as LeanDecoder.head_ids
 
     def new_cache(self, rows: int, capacity: int = 0) -> DynamicKV:
         return DynamicKV(DynamicCache(config=self.model.config))
@@ -70,8 +94,9 @@ class TransformersDecoder:
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's logits for `hidden` `(..., hidden_size)` (final soft-capping included where set)."""
-        logits = self.model.lm_head(hidden)
+        """The model's logits for `hidden` `(..., hidden_size)` over its head's rows (`head_ids`; final soft-capping
+        included where set)."""
+        logits = head_product(self.model, hidden, self.head_ids)
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import StaticKV
+from .draft_vocab import draft_vocab
 from .transfer import upload
 
 _ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -44,11 +45,12 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def stacked(model: torch.nn.Module, role: str, groups: list[tuple[torch.Tensor, ...]], packed: bool
-            ) -> list[torch.Tensor]:
+def stacked(model: torch.nn.Module, role: str, groups: list[tuple[torch.Tensor, ...]], packed: bool,
+            rows: torch.Tensor | None = None) -> list[torch.Tensor]:
     """One matrix per group of `groups` (`(out, in)` weights stacked along the output dimension), made once
     per model and `role` ("layers", "head") and reused while the weights are unchanged: oneDNN-prepacked
-    where `packed`, else `(in, out)` contiguous for `torch.mm`.
+    where `packed`, else `(in, out)` contiguous for `torch.mm`. `rows` (int64 `(R,)`): keep only those output
+    rows of every matrix (a drafter's head over its draft vocabulary, models/draft_vocab.py).
 
     Stacking saves where each product's fixed cost is most of it: q, k and v (and gate and up) read the same
     input, so one product of the stacked matrix replaces three (two). Of the two forms, which is faster
@@ -64,10 +66,12 @@ def stacked(model: torch.nn.Module, role: str, groups: list[tuple[torch.Tensor, 
     through `.data`, which moves neither of the first two; a merge changes nearly every value, so the sample
     sees it) and rebuilt when any weight changes; they double the weights' memory per form.
     """
-    flat = [w for group in groups for w in group]
+    flat = [w for group in groups for w in group] + ([rows] if rows is not None else [])
 
     def build():
         matrices = [torch.cat(group) if len(group) > 1 else group[0] for group in groups]
+        if rows is not None:
+            matrices = [w.index_select(0, rows) for w in matrices]
         if packed:
             return [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in matrices]
         return [w.t().contiguous() for w in matrices]
@@ -83,6 +87,17 @@ def forget_unused(model: torch.nn.Module, packed_from: int | None) -> None:
         derived.pop(("layers", False), None)
     if packed_from is None:  # none prepacked
         derived.pop(("layers", True), None)
+
+
+def head_product(model: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """`model.lm_head(hidden)` `(..., hidden_size)` -> `(..., R)` on the head rows `ids` (None: every row), the
+    weights read in place: those rows are gathered once per model while the weights are unchanged."""
+    if ids is None:
+        return model.lm_head(hidden)
+    weight = model.lm_head.weight
+    rows = _derived(model, ("head rows",), [weight, ids], lambda: weight.detach().index_select(0, ids))
+    bias = getattr(model.lm_head, "bias", None)
+    return F.linear(hidden, rows, None if bias is None else bias.index_select(0, ids))
 
 
 def _derived(model: torch.nn.Module, kind: tuple, weights: list[torch.Tensor], build) -> list:
@@ -296,8 +311,11 @@ class LeanDecoder:
         self.fused = fused
         self.layers = self._fused_layers(model) if fused else self._layers(model)
         self._eps = torch.tensor(self.eps, dtype=torch.float32, device=self.device)  # as `_inverse_rms` takes it
+        # A drafter with a draft vocabulary computes its head on those rows alone (models/draft_vocab.py).
+        self.head_ids = draft_vocab(model)
         head = model.lm_head.weight
-        self.head = _Matrix(None, stacked(model, "head", [(head,)], packed=True)[0] if can_pack else None)
+        self.head = _Matrix(None, stacked(model, "head", [(head,)], packed=True, rows=self.head_ids)[0]
+                            if can_pack else None)
         self.head_packed_from = (1 if self.packed_from == 1 else 2) if can_pack else None
 
     def _layers(self, model: torch.nn.Module) -> list[_Layer]:
@@ -356,14 +374,15 @@ class LeanDecoder:
         return StaticKV(self.num_layers, rows, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's logits for `hidden` `(..., hidden_size)`."""
+        """The model's logits for `hidden` `(..., hidden_size)` -> `(..., R)` over its head's rows: every row, or
+        a drafter's draft vocabulary (column r is token `head_ids[r]`)."""
         rows = hidden.numel() // hidden.shape[-1]
         if self.head.packed is not None and rows >= self.head_packed_from:
             return self.head(hidden.contiguous(), self.head_packed_from)
         if not self.copies:
-            return self.model.lm_head(hidden)
+            return head_product(self.model, hidden, self.head_ids)
         if self.head.plain is None:  # made on first use: a target's one-token steps, or no prepacking here
-            plain = stacked(self.model, "head", [(self.model.lm_head.weight,)], packed=False)[0]
+            plain = stacked(self.model, "head", [(self.model.lm_head.weight,)], packed=False, rows=self.head_ids)[0]
             self.head = self.head._replace(plain=plain)
         return self.head(hidden, None)
 

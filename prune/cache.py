@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from models.checkpoint import atomic_write_text
+from models.draft_vocab import BUFFER as DRAFT_VOCAB_BUFFER
 
 
 _WEIGHTS_DIGEST = "_d3d_weights_digest"  # where a module keeps the digest of its weights
@@ -46,11 +47,15 @@ def fingerprint(*parts) -> str:
 
 
 def _weights_digest(module: torch.nn.Module) -> str:
-    """sha256 of a module's state (names and bytes), kept on the module while no tensor moves or changes
+    """sha256 of a module's state (names and bytes) and of its draft vocabulary (models/draft_vocab.py: a
+    drafter proposing from fewer ids is another drafter), kept on the module while no tensor moves or changes
     in place: one command keys several caches by the same target and drafter, and hashing a target's
     weights takes seconds. A change made through `.data` moves neither and is not seen: hash a model
     after such a change (a merged heal) only as a fresh copy."""
     state = sorted(module.state_dict().items())
+    ids = getattr(module, DRAFT_VOCAB_BUFFER, None)
+    if ids is not None:  # a non-persistent buffer: not in the state dict
+        state.append((DRAFT_VOCAB_BUFFER, ids))
     key = tuple((tensor.data_ptr(), tensor._version) for _, tensor in state)
     cached = getattr(module, _WEIGHTS_DIGEST, None)
     if cached is not None and cached[0] == key:
@@ -112,8 +117,9 @@ def pass_times_key(drafter, target, decode) -> str:
 
 def timing_key(drafter, target, decode, repeats: int, times: dict | None) -> str:
     """The key of a campaign's timing (prune.state.Timing) of `drafter` with `target`: the pass-times key,
-    the timed repeats and the pair's pass times it starts from (`times`: a PassTimes as a dict, or None)."""
-    return fingerprint("campaign-timing v3", pass_times_key(drafter, target, decode), repeats, times)
+    the timed repeats and the pair's pass times it starts from (`times`: a PassTimes as a dict, or None). v4:
+    the timing holds the head term (decode.cost.LayerCost); older entries are measured again."""
+    return fingerprint("campaign-timing v4", pass_times_key(drafter, target, decode), repeats, times)
 
 
 def score_key(drafter, target, prompts: list[list[int]], config, timing: dict) -> str:

@@ -17,6 +17,8 @@ DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "
 # and verifies in turn (vLLM and SGLang do) is measured as it will run with "sync".
 DEFAULT_DECODER = "async"
 SCORING_DECODERS = names(SPECULATIVE)
+# The draft vocabulary sizes a campaign's head steps try (RunConfig.vocab_sizes), largest first.
+DEFAULT_VOCAB_SIZES = (32768, 16384, 8192, 4096, 2048)
 
 
 @dataclass
@@ -261,6 +263,14 @@ class RunConfig:
             of a first pass over every layer (prune.scoring.score_layers, `carried`): it scores the previous
             round's `screen_keep` lowest layers on every prompt, and the others only when those no longer
             score below them. False: every round screens every layer afresh.
+        vocab_sizes: the draft vocabulary sizes a head step may cut the drafter's head to (models/draft_vocab.py),
+            tried from the largest below the head's rows now: before each layer step the run tries cutting the
+            head to the next of them, judged as a layer step is (on the check prompts, by the retention floor
+            and the speedup stop; never healed: no weight changes), and takes it when the rules accept it.
+            The ids are the best-ranked of the target's answers to training prompts (prune.vocab). On a small
+            drafter the head is a large share of each pass (the demo drafter's 49216 x 192 head, 38 % of its
+            multiply-adds), and the 8192 ids its target says most hold 99.6 % of what it says. Empty: no
+            head steps.
         score: scoring settings (criterion, verify mode, decoding).
         heal: LoRA healing settings (steps = 0 disables healing).
     """
@@ -275,6 +285,7 @@ class RunConfig:
     check_candidates: int = 3
     check_try_discount: float = 1.0
     carry_screen: bool = True
+    vocab_sizes: tuple[int, ...] = DEFAULT_VOCAB_SIZES
     score: ScoreConfig = field(default_factory=ScoreConfig)
     heal: HealConfig = field(default_factory=HealConfig)
 
@@ -296,6 +307,8 @@ class RunConfig:
             raise ConfigError(f"--check-tokens {self.check_tokens} must be >= 1")
         if self.check_try_discount < 0:
             raise ConfigError(f"--check-try-discount {self.check_try_discount} must be >= 0")
+        if any(size < 1 for size in self.vocab_sizes):
+            raise ConfigError(f"--vocab-sizes {','.join(map(str, self.vocab_sizes))} must all be >= 1")
         if self.check_prompts < 0 or self.check_candidates < 1:
             raise ConfigError(f"--check-prompts {self.check_prompts} must be >= 0 and --check-candidates "
                               f"{self.check_candidates} >= 1")

@@ -25,11 +25,13 @@ from .text import number
 REPORT_NAME = "prune_report.json"
 
 
-def model_card(history: list[dict], source: str, dtype: str, folder: str = "path/to/this/folder") -> str:
-    """A README for an exported drafter: what it is, its dtype (a torch name), how to load it and generate with
-    it (`folder`: its path as exported), the history table."""
+def model_card(history: list[dict], source: str, dtype: str, folder: str = "path/to/this/folder",
+               draft_vocab: dict | None = None) -> str:
+    """A README for an exported drafter: what it is, its dtype (a torch name), its draft vocabulary (the config
+    entry, models/draft_vocab.py; None: it has none), how to load it and generate with it (`folder`: its path as
+    exported), the history table."""
     rows = "\n".join(
-        f"| {h['step']} | {h.get('removed_original', '-')} | {h['layers']} | {_cell(h.get('tau_before_heal'))} | "
+        f"| {h['step']} | {_removed(h)} | {h['layers']} | {_cell(h.get('tau_before_heal'))} | "
         f"{_cell(h.get('tau'))} | {_cell(h.get('retention'))} | {_cell(h.get('predicted_speedup'))} |"
         for h in history
     )
@@ -39,7 +41,7 @@ Exported by d3d-prune {__version__} from `{source}`. Weights are stored in **{dt
 
 A plain `Qwen3ForCausalLM` checkpoint: load it with `AutoModelForCausalLM.from_pretrained(folder)`.
 `config.json` carries `block_size`, `mask_token_id` and `original_layer_indices` (the 0-based indices,
-in the unpruned drafter, of the layers kept here).
+in the unpruned drafter, of the layers kept here).{_vocab_note(draft_vocab)}
 
 Generate with it (d3d-prune installed; TARGET is the target model folder or `.gguf` file it drafts for):
 
@@ -56,6 +58,22 @@ or from a shell: `prune generate --drafter {folder} --target TARGET --prompt "Wr
 
 `prune_report.json` holds the settings, per-step layer scores and the sha256 of every file in this folder.
 """
+
+
+def _removed(step: dict) -> str:
+    """What a history row removed: layers (original indices), or the head's rows down to a draft vocabulary."""
+    if step.get("head_rows"):
+        return f"head rows, {step['head_rows']} ids kept"
+    return str(step.get("removed_original", "-"))
+
+
+def _vocab_note(draft_vocab: dict | None) -> str:
+    """The model card's sentence on a draft vocabulary ("" without one)."""
+    if not draft_vocab:
+        return ""
+    return (f"\nIt proposes only from the {draft_vocab['tokens']} token ids in `{draft_vocab['file']}` (its head is "
+            "computed on those rows; the target still verifies over its whole vocabulary). The head on disk is "
+            "whole, so plain transformers loads it and proposes from every id.")
 
 
 def _cell(value) -> str:
@@ -102,12 +120,15 @@ def export_step(model, folder, source_dir, report: dict, history: list[dict], dt
     def finish(tmp: Path) -> None:
         if (source_dir / "generation_config.json").is_file():
             shutil.copy2(source_dir / "generation_config.json", tmp / "generation_config.json")
+        vocab = getattr(model.config, "draft_vocab", None)
         full = {**report, "tool_version": __version__, "dtype": stored, "history": history,
+                **({"draft_vocab": report.get("draft_vocab") or vocab} if vocab else {}),
                 "files": folder_hashes(tmp)}
         (tmp / REPORT_NAME).write_text(json.dumps(full, indent=2, sort_keys=True, default=str) + "\n")
 
+    card = model_card(history, str(source_dir), stored, str(folder), getattr(model.config, "draft_vocab", None))
     return save_drafter(model, folder, tokenizer_source=source_dir, overwrite=overwrite, dtype=dtype,
-                        extra_files={"README.md": model_card(history, str(source_dir), stored, str(folder))},
+                        extra_files={"README.md": card},
                         before_commit=finish, max_shard_size=max_shard_size)
 
 

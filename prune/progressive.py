@@ -1,5 +1,10 @@
 """Progressive pruning (docs/design.md, Progressive pruning): score -> remove -> heal -> measure -> export, repeated.
 
+Before each layer step a run may take a head step instead (RunConfig.vocab_sizes): the drafter's head cut to
+the next smaller draft vocabulary (prune.vocab), judged on the check prompts by the same rules, taken when
+they accept it. It costs one evaluation where a layer step costs a scoring round, so it is tried first, and
+again before every later layer step (the rules may accept it after a heal).
+
 Each step scores the remaining layers on the calibration prompts (prune.scoring), removes the `per_step`
 least harmful ones, heals with LoRA (prune.heal) and keeps the healed weights only if they do not lower tau,
 then exports the step to OUT/step-XX and records it in OUT/state.json. Steps are judged (heal rule and
@@ -43,6 +48,8 @@ from .state import (BaseRecord, Host, RunState, StepRecord, Timing, campaign_tim
                     load_state, save_state)
 from .trajectories import as_source
 from .training.loss import Teacher
+from .head_steps import head_step
+from .vocab import next_head_size
 
 _silent = functools.partial(progress_bar, enabled=False)
 
@@ -68,6 +75,8 @@ class Campaign:
         heal_examples: distillation `Example`s for healing (None or empty disables healing).
         cache: the cache folder (prune.cache): the campaign's timing is kept there, and a scoring round that
             `prune score` scored with the same settings is read from there; None caches nothing.
+        vocab_ranking: the ids head steps keep, best first (prune.vocab.TokenRanking; counted on training
+            prompts); None: no head steps (RunConfig.vocab_sizes must then offer none below the drafter's ids).
     """
 
     drafter: object
@@ -80,6 +89,7 @@ class Campaign:
     check_prompts: list | None = None
     check_trajectories: list | None = None
     heal_data: list[str] | None = None
+    vocab_ranking: object = None
 
     def __post_init__(self):
         self.source = as_source(self.source)
@@ -177,6 +187,10 @@ def run_pruning(campaign: Campaign, out, config: RunConfig, resume: bool = False
     state, current = _open_state(run, resume, timing)
     removed_total = len(state.removed_original())
     while state.stopped_by is None:
+        cut = _head_step(run, current, state)
+        if cut is not None:
+            current = _take(run, state, *cut)
+            continue
         k, state.stopped_by = _step_size(config, current.config.num_hidden_layers, removed_total)
         if state.stopped_by is not None:
             break
@@ -185,13 +199,8 @@ def run_pruning(campaign: Campaign, out, config: RunConfig, resume: bool = False
         state.stopped_by = _stop_rule(config, state, verdict)
         if state.stopped_by is not None:
             break
-        _commit_step(run, state, healed, record)
+        current = _take(run, state, healed, record)
         removed_total += len(record.removed)
-        current = healed
-        if run.hooks.on_step is not None:
-            reason = run.hooks.on_step(record, state)
-            if reason:
-                state.stopped_by = str(reason)
     save_state(run.out, state)
     _link_final(run.out, state)
     write_report(run.out, state)
@@ -199,8 +208,26 @@ def run_pruning(campaign: Campaign, out, config: RunConfig, resume: bool = False
     return state
 
 
+def _take(run: _Run, state: RunState, drafter, record: StepRecord):
+    """Export and record the step (`_commit_step`), then tell the caller (RunHooks.on_step, which may stop the
+    run); returns the drafter the run goes on from."""
+    _commit_step(run, state, drafter, record)
+    if run.hooks.on_step is not None:
+        reason = run.hooks.on_step(record, state)
+        if reason:
+            state.stopped_by = str(reason)
+    return drafter
+
+
+def _head_step(run: _Run, current, state: RunState):
+    """prune.head_steps.head_step of the run: (the cut drafter, its StepRecord) or None."""
+    return head_step(run.campaign.vocab_ranking, run.config.vocab_sizes, current, state, run.judge,
+                     functools.partial(_stop_rule, run.config), run.log)
+
+
 def _check_campaign(campaign: Campaign, config: RunConfig) -> None:
-    """Refuse a campaign whose check prompts are not those the settings describe."""
+    """Refuse a campaign whose check prompts are not those the settings describe, or that offers head steps
+    without the ranking they cut by."""
     checks = len(campaign.check_prompts or [])
     if checks != config.check_prompts:
         raise ConfigError(f"the campaign carries {checks} check prompts where the settings ask for "
@@ -208,6 +235,9 @@ def _check_campaign(campaign: Campaign, config: RunConfig) -> None:
     if checks and config.score.verify == "replay" and len(campaign.check_trajectories or []) != checks:
         raise ConfigError("replayed scoring needs the check prompts' target trajectories "
                           "(Campaign.check_trajectories; prune.scoring.cached_trajectories)")
+    if campaign.vocab_ranking is None and next_head_size(config.vocab_sizes, campaign.drafter) is not None:
+        raise ConfigError("head steps (vocab_sizes) need the ids' ranking (Campaign.vocab_ranking, prune.vocab."
+                          "rank_tokens on distillation data); pass one, or set vocab_sizes to () (--no-vocab-steps)")
 
 
 def _open_state(run: _Run, resume: bool, timing: Timing | None) -> tuple[RunState, object]:
@@ -228,6 +258,11 @@ def _open_state(run: _Run, resume: bool, timing: Timing | None) -> tuple[RunStat
         if state.heal_data is not None and healed_on is not None and state.heal_data != healed_on:
             raise ConfigError(f"{out} holds a run that heals on {', '.join(state.heal_data)}, not on "
                               f"{', '.join(healed_on)}; resume it with that --heal-data or choose another --out")
+        ranked = _vocab(run)
+        if state.vocab is not None and ranked is not None and state.vocab["sha256"] != ranked["sha256"]:
+            raise ConfigError(f"{out} holds a run whose head steps rank the ids of {', '.join(state.vocab['source'])}, "
+                              f"not those of {', '.join(ranked['source'])}; resume it with that --vocab-data or "
+                              "choose another --out")
         compute = next(drafter.parameters())
         current = load_drafter(out / state.last.folder, compute.dtype, compute.device) if state.history else drafter
         run.log(f"resuming {out} after step {len(state.history)}")
@@ -252,7 +287,7 @@ def _open_state(run: _Run, resume: bool, timing: Timing | None) -> tuple[RunStat
     state = RunState(config_record(config), str(run.campaign.source_dir), timing,
                      BaseRecord(base.tau, base.fallback_rate, base.predicted_speedup(timing.pass_times(layers)),
                                 base.width, base.packed_share, base.packed_tokens),
-                     heal_data=_heal_data(run), host=Host.of(drafter, run.campaign.target))
+                     heal_data=_heal_data(run), host=Host.of(drafter, run.campaign.target), vocab=_vocab(run))
     save_state(out, state)
     _log_ceiling(run, state)
     return state, drafter
@@ -261,6 +296,12 @@ def _open_state(run: _Run, resume: bool, timing: Timing | None) -> tuple[RunStat
 def _heal_data(run: _Run) -> list[str] | None:
     """What the run heals on as its record names it (Campaign.heal_data); None when it does not heal."""
     return run.campaign.heal_data if run.config.heal.steps and run.campaign.heal_examples else None
+
+
+def _vocab(run: _Run) -> dict | None:
+    """The ranking head steps cut by, as the run's record keeps it; None when the run takes no head steps."""
+    ranking = run.campaign.vocab_ranking
+    return ranking.record() if ranking is not None and run.config.vocab_sizes else None
 
 
 def _log_ceiling(run: _Run, state: RunState) -> None:
@@ -292,8 +333,8 @@ def _score_round(run: _Run, current, state: RunState, take: int) -> ScoreReport:
     scores (RunConfig.carry_screen; prune.scoring.score_layers, `carried`)."""
     c = run.campaign
     layers, step = current.config.num_hidden_layers, len(state.history) + 1
-    carried = (carried_scores(state.last.scores, state.last.removed)
-               if state.history and run.config.carry_screen else None)
+    scored = next((h for h in reversed(state.history) if h.scores), None)  # head steps score no layer
+    carried = carried_scores(scored.scores, scored.removed) if scored and run.config.carry_screen else None
     journal = ScoringJournal.for_round(run.out, step, state.config, state.timing.to_dict(), c.prompts,
                                        c.trajectories, carried and [asdict(s) for s in carried],
                                        *model_identity(current))
@@ -401,7 +442,8 @@ def _step_record(run: _Run, state: RunState, scores: ScoreReport, chosen: list[i
         step=step, folder=f"step-{step:02d}", removed=chosen,
         removed_original=[scores.layers[i].original_layer for i in chosen], layers=layers,
         tau_before_heal=before.tau, tau=measured.tau, retention=measured.tau / state.base.tau,
-        heal_rolled_back=rolled_back, predicted_speedup=measured.predicted_speedup(state.timing.pass_times(layers)),
+        heal_rolled_back=rolled_back,
+        predicted_speedup=measured.predicted_speedup(state.timing.pass_times(layers, state.head_rows)),
         heal_loss=[h["loss"] for h in losses], scores=list(scores.layers),
     )
 
@@ -449,8 +491,9 @@ def _heal(run: _Run, reduced, before: Evaluation, base_tau: float, step: int):
 def _stop_rule(config: RunConfig, state: RunState, record: StepRecord) -> str | None:
     """The stop rule a step recorded as `record` breaks (it is then not taken), or None."""
     if record.retention < config.min_retention:
-        return (f"retention floor: removing original layers {record.removed_original} would keep "
-                f"{record.retention:.4f} < {config.min_retention}")
+        change = (f"cutting the head to {record.head_rows} ids" if record.is_head_step else
+                  f"removing original layers {record.removed_original}")
+        return f"retention floor: {change} would keep {record.retention:.4f} < {config.min_retention}"
     speedup = record.predicted_speedup
     earlier = [("the unpruned drafter", state.base.predicted_speedup)] + [
         (f"step {h.step}", h.predicted_speedup) for h in state.history]
@@ -473,8 +516,9 @@ def _commit_step(run: _Run, state: RunState, healed, record: StepRecord) -> None
                 [h.to_dict(scores=False) for h in history], dtype=run.dtype, overwrite=True,
                 max_shard_size=run.max_shard_size)
     state.history = history
-    run.log(f"step {record.step}: removed original layers {record.removed_original}, {run.judged_on} tau "
-            f"{record.tau:.3f} (retention {record.retention:.4f})")
+    change = (f"cut the head to {record.head_rows} ids" if record.is_head_step else
+              f"removed original layers {record.removed_original}")
+    run.log(f"step {record.step}: {change}, {run.judged_on} tau {record.tau:.3f} (retention {record.retention:.4f})")
     save_state(run.out, state)
     remove_journals(run.out)
 
@@ -487,7 +531,7 @@ def config_record(config: RunConfig) -> dict:
 # Settings added since a run could be saved without them, at the value that reproduces what runs did before:
 # such a run resumes only with these values (e.g. `--check-prompts 0`), as it was judged then.
 SETTINGS_BEFORE_THEY_EXISTED = {"check_prompts": 0, "check_candidates": 1, "check_try_discount": 0.0,
-                                "check_tokens": None}
+                                "check_tokens": None, "vocab_sizes": []}
 
 
 def with_defaults(stored: dict, defaults: dict) -> dict:

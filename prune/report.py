@@ -1,8 +1,9 @@
 """The local report of a pruning run: OUT/report.md and PNG plots, for users without W&B.
 
 Every file is written atomically (models.checkpoint), so a killed run never leaves half a report.
-Plots (matplotlib, Agg backend): a heatmap of layer scores (steps x original layer index, 0-based),
-tau and predicted speedup against layers removed, and the heal loss curves.
+Plots (matplotlib, Agg backend): a heatmap of layer scores (steps x original layer index, 0-based; a head
+step's row is empty), tau and predicted speedup against layers removed (against steps, each labelled with
+what it removed, in a run that took head steps), and the heal loss curves.
 """
 
 from pathlib import Path
@@ -32,6 +33,8 @@ def _markdown(state: RunState, plots: list[Path]) -> str:
         f"Stopped by: {state.stopped_by}.",
         *([f"Heals on: {', '.join(state.heal_data)}."] if state.heal_data else []),
         *([f"Measured on: {state.host.text()}."] if state.host else []),
+        *([f"Head steps cut the drafter's head to the ids its target says most in "
+           f"{', '.join(state.vocab['source'])} ({state.vocab['tokens']} answer tokens)."] if state.vocab else []),
         "",
         "Layer indices are 0-based indices in the unpruned drafter. Steps are judged (tau, retention, heals, stop "
         f"rules) on the {state.judged_on} prompts"
@@ -44,13 +47,15 @@ def _markdown(state: RunState, plots: list[Path]) -> str:
     healing = "not needed" if state.config.get("heal", {}).get("steps") else "off"
     for h in state.history:
         heal = "rolled back" if h.heal_rolled_back else ("kept" if h.heal_loss else healing)
-        lines.append(f"| {h.step} | {h.removed_original} | {h.layers} | {h.tau_before_heal:.3f} | "
+        removed = f"head: {h.head_rows} ids" if h.is_head_step else h.removed_original
+        lines.append(f"| {h.step} | {removed} | {h.layers} | {h.tau_before_heal:.3f} | "
                      f"{h.tau:.3f} | {h.retention:.4f} | {heal} | {number(h.predicted_speedup, 2, 'x')} |")
-    gain = state.equal_tau_speedup(state.layers) if state.history else None
+    gain = state.equal_tau_speedup(state.layers, state.head_rows) if state.history else None
     if gain is not None:
-        lines += ["", f"At the unpruned tau, the final drafter's {state.timing.layers - state.layers} fewer layers "
-                  f"would make it {gain:.3f}x faster (predicted: {state.timing.depth_text()}). That is the most its "
-                  "depth buys on this machine; the predicted speedup above is about this times what its tau keeps."]
+        head = f" and head of {state.head_rows} rows" if state.head_rows else ""
+        lines += ["", f"At the unpruned tau, the final drafter's {state.timing.layers - state.layers} fewer layers"
+                  f"{head} would make it {gain:.3f}x faster (predicted: {state.timing.depth_text()}). That is the most "
+                  "its size buys on this machine; the predicted speedup above is about this times what its tau keeps."]
     lines += _speed_lines(state.speed)
     lines += ["", *[f"![{p.stem}]({p.name})" for p in plots], ""]
     return "\n".join(lines)
@@ -86,7 +91,7 @@ def _pyplot():
 
 
 def _heatmap(out: Path, state: RunState) -> Path | None:
-    if not state.history:
+    if not any(h.scores for h in state.history):  # no step, or head steps only: no layer was scored
         return None
     import numpy as np
 
@@ -103,7 +108,7 @@ def _heatmap(out: Path, state: RunState) -> Path | None:
     ax.set_xticks(range(width), [str(i) for i in range(width)], fontsize=7)
     ax.set_xlabel("original layer index (0-based)")
     ax.set_ylabel("step")
-    ax.set_yticks(range(len(grid)), [str(h.step) for h in state.history])
+    ax.set_yticks(range(len(grid)), [f"{h.step} (head)" if h.is_head_step else str(h.step) for h in state.history])
     fig.colorbar(image, ax=ax, label="score (drop when removed)")
     fig.tight_layout()
     return _save_png(plt, fig, out / "layer_scores.png")
@@ -116,14 +121,22 @@ def _curve(out: Path, state: RunState) -> Path:
     removed = [0] + [state.timing.layers - h.layers for h in state.history]
     taus = [state.base.tau] + [h.tau for h in state.history]
     fig, ax = plt.subplots(figsize=(6, 4))
-    lines = ax.plot(removed, taus, "o-", label=f"tau ({state.judged_on} prompts)")
-    ax.set_xlabel("layers removed")
+    heads = any(h.is_head_step for h in state.history)
+    x = list(range(len(taus))) if heads else removed  # head steps remove no layer: one point per step
+    lines = ax.plot(x, taus, "o-", label=f"tau ({state.judged_on} prompts)")
     ax.set_ylabel("tau")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers come whole
+    if heads:
+        ax.set_xlabel("step")
+        labels = [f"{h.head_rows} ids" if h.is_head_step else "-L" + ",".join(map(str, h.removed_original))
+                  for h in state.history]
+        ax.set_xticks(x, ["start"] + labels, rotation=45, fontsize=7)
+    else:
+        ax.set_xlabel("layers removed")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers come whole
     speedups = [state.base.predicted_speedup] + [h.predicted_speedup for h in state.history]
     if all(s is not None for s in speedups):
         twin = ax.twinx()
-        lines += twin.plot(removed, speedups, "s--", color="tab:orange", label="predicted speedup")
+        lines += twin.plot(x, speedups, "s--", color="tab:orange", label="predicted speedup")
         twin.set_ylabel("predicted speedup (x)")
     # One legend for both axes, above the plot, where it covers neither a curve nor an axis label.
     ax.legend(lines, [line.get_label() for line in lines], loc="lower center", bbox_to_anchor=(0.5, 1.0),

@@ -30,6 +30,7 @@ from decode.decoders import DecodeResult, decode_ar, decode_speculative
 from decode.metrics import paired_ratio_error, summarize
 from decode.timing import drafter_pass_ms, measure_pass_times
 from decode.verifiers import LiveVerifier, ReplayVerifier
+from models.draft_vocab import head_rows
 from models.drafter_config import original_layers
 from models.errors import ConfigError
 from models.faults import fault_point
@@ -332,7 +333,8 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
             with the exact count once the screening pass has ranked the layers.
         times: the pair's pass times (decode.timing.measure_pass_times); None measures them when a target
             is given. The target's times are shared by every layer.
-        layer_costs: (sync draft, packed) pass time as functions of depth (decode.timing.drafter_layer_costs):
+        layer_costs: (sync draft, packed) pass time as functions of depth and head rows
+            (decode.timing.drafter_layer_costs):
             the drafters' pass times are then modelled, not timed per layer (a pruning campaign passes its
             own, so a scoring round spends no time on timing and its speedup scores carry no timing noise);
             None times the drafter and every reduced drafter.
@@ -384,7 +386,7 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
 
     def pass_ms(model) -> tuple[float, float]:
         if layer_costs is not None:
-            return tuple(c.at(model.config.num_hidden_layers) for c in layer_costs)
+            return tuple(c.at(model.config.num_hidden_layers, head_rows(model)) for c in layer_costs)
         return drafter_pass_ms(model, config.decode.packed_budget, config.timing_repeats)
 
     def speedup_of(evaluation: Evaluation) -> float | None:
@@ -540,7 +542,8 @@ def cached_scores(folder: Path | None, drafter, prompts: list[list[int]], config
 
     def score() -> ScoreReport:
         return score_layers(drafter, prompts, config, target=target, trajectories=trajectories, on_layer=on_layer,
-                            times=timing.pass_times(layers), layer_costs=timing.layer_costs(), journal=journal,
+                            times=timing.pass_times(layers, head_rows(drafter)), layer_costs=timing.layer_costs(),
+                            journal=journal,
                             carried=carried, take=take, on_total=on_total)
 
     if folder is None or source is None:

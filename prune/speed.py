@@ -16,6 +16,7 @@ with the campaign's pass times, so predicted and measured compare like for like.
 
 from decode.bench import run_bench
 from decode.config import BenchConfig
+from models.draft_vocab import head_rows
 from models.drafter import load_drafter
 
 from .config import DEFAULT_DECODER
@@ -32,7 +33,7 @@ def measure_speed(state: RunState, out, drafter, target, prompts, decode, source
     if state.history:
         final = load_drafter(f"{out}/{state.last.folder}", weight.dtype, weight.device)
     drafters = [("base", drafter)] + ([("final", final)] if final is not None else [])
-    times = {name: state.timing.pass_times(model.config.num_hidden_layers) for name, model in drafters}
+    times = {name: state.timing.pass_times(model.config.num_hidden_layers, head_rows(model)) for name, model in drafters}
     configs = {name: decode.tuned_to(t, width=decode.width_policy is not None,
                                      candidates=decode.candidate_policy is not None) if t else decode
                for name, t in times.items()}

@@ -12,14 +12,17 @@ step, in this form (times in ms, tau in committed tokens per target pass, layer 
      "stopped_by": the rule that ended the run (None while it runs),
      "speed":   SpeedCheck: the measured check at the end (absent until it ran),
      "heal_data": the healing data, "folder xW" per folder (absent when the run does not heal),
-     "host":    Host: the machine and arithmetic the run measured with (absent in runs that predate it)}
+     "host":    Host: the machine and arithmetic the run measured with (absent in runs that predate it),
+     "vocab":   the token ranking head steps cut by (prune.vocab.TokenRanking.record; absent without one)}
 
 `RunState.from_dict` reads every form this tool has written: timing from before the cost model
 (`{"layers", "draft_ms", "packed_ms", "verify_ms", "ar_ms"}`, written back as it was read) and layer
 scores without the fields added later (read as None; `prompts`, added with screening, `age`, added
 with carried screening, `expected_tau_without`, added with the expected-tau criterion, and `skipped`, added
 with the pre-screen, are written back absent). A ranking criterion's scores (prune.ranking) hold None where
-the decoder measured nothing (tau_without, delta_tau, the interval, predicted_speedup).
+the decoder measured nothing (tau_without, delta_tau, the interval, predicted_speedup). A head step
+(prune.vocab) is a StepRecord with `head_rows`, no removed layers and no scores; layer steps and records from
+before head steps carry no `head_rows`.
 """
 
 import json
@@ -48,8 +51,10 @@ class Timing:
     Attributes:
         layers: layer count of the drafter they were measured on (the unpruned one).
         draft, packed: the sync draft pass and the full-budget packed pass as affine functions of the drafter's
-            depth (decode.cost.LayerCost: fixed_ms + per_layer_ms x layers), fitted on the drafter and a
-            half-depth copy; JSON: [fixed_ms, per_layer_ms].
+            depth and head rows (decode.cost.LayerCost: fixed_ms + per_layer_ms x layers + per_row_ms x (rows -
+            the measured drafter's)), fitted on the drafter, a half-depth copy and a copy with a cut head; JSON:
+            [fixed_ms, per_layer_ms, per_row_ms, rows] ([fixed_ms, per_layer_ms] in runs saved before the head
+            term, which then predicts every head at the measured one's time).
         target: the pair's pass times (decode.cost.PassTimes: the target's ar step, verify slope, contention;
             JSON: its fields), or None when no target was timed.
         legacy: the timing as a state written before the cost model holds it (`layers`, `draft_ms`,
@@ -63,30 +68,33 @@ class Timing:
     target: PassTimes | None
     legacy: dict | None = None
 
-    def pass_times(self, layers: int) -> PassTimes | None:
-        """The pair's pass times with a `layers`-layer drafter of this campaign (None without target times)."""
+    def pass_times(self, layers: int, head_rows: int | None = None) -> PassTimes | None:
+        """The pair's pass times with a `layers`-layer drafter of this campaign whose head computes `head_rows`
+        rows (None: the measured drafter's; models.draft_vocab.head_rows), None without target times."""
         if self.target is None:
             return None
-        return self.target.with_drafter(self.draft.at(layers), self.packed.at(layers))
+        return self.target.with_drafter(self.draft.at(layers, head_rows), self.packed.at(layers, head_rows))
 
     def layer_costs(self) -> tuple[LayerCost, LayerCost]:
-        """(sync draft, packed) pass time as functions of depth."""
+        """(sync draft, packed) pass time as functions of depth and head rows."""
         return self.draft, self.packed
 
-    def packed_ms(self, layers: int) -> float:
-        """Modelled packed-pass time (ms) of a `layers`-layer drafter of this campaign."""
-        return self.packed.at(layers)
+    def packed_ms(self, layers: int, head_rows: int | None = None) -> float:
+        """Modelled packed-pass time (ms) of a `layers`-layer drafter of this campaign with `head_rows` head rows."""
+        return self.packed.at(layers, head_rows)
 
     def depth_text(self) -> str:
-        """What a layer costs on the measuring machine, in words (for the run's log and report)."""
+        """What a layer (and the head) costs on the measuring machine, in words (for the run's log and report)."""
         target = f", a {self.target.ar_ms:.1f} ms target step" if self.target is not None else ""
-        return f"a draft pass of {self.draft.fixed_ms:.1f} ms + {self.draft.per_layer_ms:.2f} ms per layer{target}"
+        head = (f" + {1000 * self.draft.per_row_ms:.2f} ms per 1000 head rows (of {self.draft.rows})"
+                if self.draft.rows else "")
+        return (f"a draft pass of {self.draft.fixed_ms:.1f} ms + {self.draft.per_layer_ms:.2f} ms per layer"
+                f"{head}{target}")
 
     def to_dict(self) -> dict:
         if self.legacy is not None:
             return dict(self.legacy)
-        return {"layers": self.layers, "draft": [self.draft.fixed_ms, self.draft.per_layer_ms],
-                "packed": [self.packed.fixed_ms, self.packed.per_layer_ms],
+        return {"layers": self.layers, "draft": self.draft.to_list(), "packed": self.packed.to_list(),
                 "target": self.target.to_dict() if self.target is not None else None}
 
     @classmethod
@@ -164,7 +172,8 @@ class BaseRecord:
 
 @dataclass
 class StepRecord:
-    """One step taken: layers removed, then healed, measured and exported to OUT/`folder`.
+    """One step taken: layers removed, then healed, measured and exported to OUT/`folder`; or, a head step, the
+    drafter's head cut to a draft vocabulary of `head_rows` ids (nothing removed, nothing scored or healed).
 
     Attributes:
         step: 1, 2, ...; folder: its export, "step-XX" (relative to OUT).
@@ -178,7 +187,8 @@ class StepRecord:
         predicted_speedup: the step's predicted async speedup (None without target times).
         heal_loss: the drafter loss of each LoRA update of the heal ([] without healing).
         scores: the scoring round that chose the step: every layer of the drafter the step started from
-            (prune.scoring.LayerScore).
+            (prune.scoring.LayerScore); [] for a head step.
+        head_rows: a head step's draft vocabulary size (the head's rows after it); None for a layer step.
     """
 
     step: int
@@ -193,10 +203,18 @@ class StepRecord:
     predicted_speedup: float | None
     heal_loss: list[float]
     scores: list[LayerScore]
+    head_rows: int | None = None
+
+    @property
+    def is_head_step(self) -> bool:
+        return self.head_rows is not None
 
     def to_dict(self, scores: bool = True) -> dict:
-        """As JSON; without `scores` it is the history entry of an export's report and model card."""
+        """As JSON; without `scores` it is the history entry of an export's report and model card. A layer step
+        writes no `head_rows` (as records from before head steps)."""
         record = asdict(self)
+        if record["head_rows"] is None:
+            del record["head_rows"]
         if not scores:
             del record["scores"]
         for score in record.get("scores", []):
@@ -325,6 +343,8 @@ class RunState:
         heal_data: the folders the run heals on ("folder xW" each; Campaign.heal_data), None when it does not
             heal or its record predates this field.
         host: the machine it started on (Host), None in records that predate this field.
+        vocab: the token ranking its head steps cut by (prune.vocab.TokenRanking.record: source, tokens,
+            distinct, sha256), None without head steps; a resume must rank alike.
     """
 
     config: dict
@@ -336,6 +356,7 @@ class RunState:
     speed: SpeedCheck | None = None
     heal_data: list[str] | None = None
     host: Host | None = None
+    vocab: dict | None = None
 
     @property
     def last(self) -> StepRecord | None:
@@ -348,18 +369,25 @@ class RunState:
         return self.history[-1].layers if self.history else self.timing.layers
 
     @property
+    def head_rows(self) -> int | None:
+        """Rows of the head of the drafter the run has reached: the last head step's draft vocabulary, or None
+        before any (the unpruned drafter's, as its timing measured it)."""
+        return next((step.head_rows for step in reversed(self.history) if step.is_head_step), None)
+
+    @property
     def judged_on(self) -> str:
         """The prompts its steps were judged on (`judged_on`)."""
         return judged_on(self.config.get("check_prompts"))
 
-    def equal_tau_speedup(self, layers: int) -> float | None:
-        """Predicted: how much faster per token a `layers`-layer drafter of this campaign runs than the unpruned
-        one at the unpruned drafter's tau and round shape (decode.cost.equal_tau_speedup): what removing layers
-        buys on this machine before any tau it costs. None without target times or a recorded verify width."""
+    def equal_tau_speedup(self, layers: int, head_rows: int | None = None) -> float | None:
+        """Predicted: how much faster per token a `layers`-layer drafter of this campaign whose head computes
+        `head_rows` rows (None: the unpruned drafter's) runs than the unpruned one at the unpruned drafter's tau
+        and round shape (decode.cost.equal_tau_speedup): what removing layers and head rows buys on this machine
+        before any tau it costs. None without target times or a recorded verify width."""
         base = self.base
         if self.timing is None or base.width is None or self.timing.target is None:
             return None
-        before, after = self.timing.pass_times(self.timing.layers), self.timing.pass_times(layers)
+        before, after = self.timing.pass_times(self.timing.layers), self.timing.pass_times(layers, head_rows)
         decoder = self.config.get("score", {}).get("decoder", DEFAULT_DECODER)
         return cost.equal_tau_speedup(decoder, before, after, base.width, base.fallback_rate or 0.0,
                                       **cost.packed_shape(base.packed_share, base.packed_tokens))
@@ -378,6 +406,8 @@ class RunState:
             record["heal_data"] = self.heal_data
         if self.host is not None:
             record["host"] = asdict(self.host)
+        if self.vocab is not None:
+            record["vocab"] = self.vocab
         return record
 
     @classmethod
@@ -385,7 +415,7 @@ class RunState:
         return cls(record["config"], record["source"], Timing.from_dict(record["timing"]), BaseRecord(**record["base"]),
                    [StepRecord.from_dict(step) for step in record["history"]], record["stopped_by"],
                    SpeedCheck.from_dict(record["speed"]) if record.get("speed") else None, record.get("heal_data"),
-                   Host(**record["host"]) if record.get("host") else None)
+                   Host(**record["host"]) if record.get("host") else None, record.get("vocab"))
 
 
 def state_text(state: RunState) -> str:

@@ -37,6 +37,8 @@ METRICS = {
     "pruning/retention": "that tau / the unpruned drafter's",
     "pruning/predicted_speedup": "predicted async speedup over target-only decoding",
     "pruning/heal_rolled_back": "1 when healing lowered tau and the pre-heal weights were kept",
+    "pruning/head_rows": "rows of the drafter's head: its draft vocabulary's ids after a head step, its whole "
+                         "head before any (head steps are logged beside layer steps, at the same layers removed)",
     "heal/update": "x-axis of heal losses: LoRA updates so far, over all steps",
     "heal/loss": "drafter loss of one LoRA update",
     "heal/step": "pruning step that the heal update belongs to",
@@ -52,6 +54,7 @@ METRICS = {
     "final/retention": "summary: its retention",
     "final/predicted_speedup": "summary: its predicted speedup",
     "final/layers": "summary: layers left",
+    "final/head_rows": "summary: rows of its head (its draft vocabulary's ids, or its whole head)",
     "base/measured_speedup": "summary: unpruned async speedup over ar, measured on held-out prompts (prune.speed)",
     "base/measured_speedup_error": "summary: its standard error over those prompts (paired with ar's times)",
     "base/measured_predicted_speedup": "summary: the cost model's speedup for that measurement",
@@ -214,7 +217,8 @@ class Tracker:
         if 0 not in self._logged_steps:
             run.log({STEP_AXIS: 0, "pruning/step": 0, "pruning/layers": state.timing.layers,
                      "pruning/tau": state.base.tau, "pruning/retention": 1.0,
-                     **_numbers({"pruning/predicted_speedup": state.base.predicted_speedup})})
+                     **_numbers({"pruning/predicted_speedup": state.base.predicted_speedup,
+                                 "pruning/head_rows": _rows(state, 0)})})
             self._logged_steps.add(0)
         for record in state.history:
             if record.step not in self._logged_steps:
@@ -227,16 +231,19 @@ class Tracker:
         for loss in record.heal_loss:
             self._heal_updates += 1
             run.log({HEAL_AXIS: self._heal_updates, "heal/loss": loss, "heal/step": record.step})
-        table = _score_table([asdict(s) for s in record.scores], record.step)
+        scores = {}
+        if record.scores:  # a head step scores no layer
+            table = _score_table([asdict(s) for s in record.scores], record.step)
+            scores = {"layer_scores": table,
+                      "layer_scores_bar": wandb.plot.bar(table, "original_layer_name", "score",
+                                                         title=f"layer scores at step {record.step} (0-based)")}
         run.log({
             STEP_AXIS: state.timing.layers - record.layers, "pruning/step": record.step,
             "pruning/layers": record.layers, "pruning/tau": record.tau,
             "pruning/tau_before_heal": record.tau_before_heal,
             "pruning/retention": record.retention, "pruning/heal_rolled_back": int(record.heal_rolled_back),
-            **_numbers({"pruning/predicted_speedup": record.predicted_speedup}),
-            "layer_scores": table,
-            "layer_scores_bar": wandb.plot.bar(table, "original_layer_name", "score",
-                                               title=f"layer scores at step {record.step} (0-based)"),
+            **_numbers({"pruning/predicted_speedup": record.predicted_speedup,
+                        "pruning/head_rows": _rows(state, record.step)}), **scores,
         })
 
     @_safe
@@ -293,6 +300,7 @@ class Tracker:
             f"pruned-{self.config.tags[0] if self.config.tags else 'drafter'}", type=ARTIFACT_TYPE,
             description="pruned drafter: the last step of a prune run (plain Qwen3 checkpoint folder)",
             metadata={"tau": last.tau, "retention": last.retention, "layers": last.layers,
+                      "head_rows": _rows(state, last.step),
                       "predicted_speedup": last.predicted_speedup, "source": state.source,
                       "removed_original": state.removed_original(), "stopped_by": str(state.stopped_by),
                       "local_path": str(folder)},
@@ -311,7 +319,8 @@ def _summary(state: RunState) -> dict:
         "final/retention": last.retention if last else 1.0,
         "final/predicted_speedup": last.predicted_speedup if last else base.predicted_speedup,
         "final/layers": state.layers, "final/layers_removed": state.timing.layers - state.layers,
-        "final/equal_tau_speedup": state.equal_tau_speedup(state.layers) if last else None,
+        "final/head_rows": _rows(state, last.step if last else 0),
+        "final/equal_tau_speedup": state.equal_tau_speedup(state.layers, state.head_rows) if last else None,
     }
     speed = state.speed
     for name, row in (("base", speed and speed.base), ("final", speed and speed.final)):
@@ -323,6 +332,13 @@ def _summary(state: RunState) -> dict:
     if speed and speed.retention_error is not None:
         summary["final/heldout_retention_error"] = speed.retention_error
     return summary
+
+
+def _rows(state: RunState, step: int) -> int | None:
+    """Rows of the drafter's head after `step` (0: the unpruned drafter's, as its timing measured them; None
+    in a run timed before the head term)."""
+    cut = [h.head_rows for h in state.history if h.step <= step and h.is_head_step]
+    return cut[-1] if cut else (state.timing.draft.rows or None)
 
 
 def _score_table(scores: list[dict], step: int):

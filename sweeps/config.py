@@ -4,7 +4,7 @@
 from dataclasses import dataclass, field
 
 from models.errors import ConfigError, one_of
-from prune.config import HealConfig, ScoreConfig
+from prune.config import DEFAULT_VOCAB_SIZES, HealConfig, ScoreConfig
 
 COSTS = ("layers", "packed_ms")  # the cost objective of the Pareto mode: layers left, predicted packed-pass ms
 MODES = (("maximize",), ("maximize", "minimize"))  # --directions: predicted speedup; retention vs cost
@@ -25,6 +25,8 @@ class SweepConfig:
         seed: seeds the samplers (per trial number, so workers never repeat each other's draws).
         score, heal: campaign settings that the search space does not set (decoding, verify, batch...).
         export_dtype: dtype of the trials' exported steps; "source": the dtype the drafter is stored in.
+        vocab_sizes: the draft vocabulary sizes trials' head steps may try (prune.config.RunConfig.vocab_sizes),
+            down to the space's `vocab_size` where it sets one; () when the sweep has no ids' ranking.
     """
 
     study: str
@@ -36,6 +38,7 @@ class SweepConfig:
     score: ScoreConfig = field(default_factory=ScoreConfig)
     heal: HealConfig = field(default_factory=HealConfig)
     export_dtype: str = "source"
+    vocab_sizes: tuple[int, ...] = DEFAULT_VOCAB_SIZES
 
     @property
     def multi_objective(self) -> bool:

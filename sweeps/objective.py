@@ -53,7 +53,7 @@ from prune.trajectories import as_source
 
 from ._optuna import quiet_optuna
 from .config import SweepConfig
-from .space import HEAL_NAMES, SearchSpace
+from .space import HEAL_NAMES, VOCAB_NAMES, SearchSpace
 
 
 @dataclass
@@ -69,7 +69,8 @@ class SweepData:
     `pass_times`: the pair's measured pass times for the sweep's own decoder settings (`SweepConfig.score`),
     the start of the study's timing as of `prune run`'s; `cache`: the cache folder (prune.cache) that trials
     share with `prune score` and `prune run`; `heal_data`: how a trial's record names the healing examples
-    (prune.progressive.Campaign.heal_data).
+    (prune.progressive.Campaign.heal_data); `vocab_ranking`: the ids head steps keep (prune.vocab.TokenRanking;
+    None: no head steps).
     """
 
     drafter: object
@@ -84,6 +85,7 @@ class SweepData:
     pass_times: PassTimes | None = None
     cache: Path | None = None
     heal_data: list[str] | None = None
+    vocab_ranking: object = None
 
     def __post_init__(self):
         self.source = as_source(self.source)
@@ -103,11 +105,13 @@ def campaign_config(values: dict, config: SweepConfig) -> tuple[RunConfig, int |
     heal = replace(config.heal, steps=values.get("heal_steps", config.heal.steps),
                    rank=values.get("lora_rank", config.heal.rank), alpha=values.get("lora_alpha", config.heal.alpha),
                    lr=values.get("heal_lr", config.heal.lr), seed=config.seed)
+    floor = values.get("vocab_size")  # head steps down to this size (0: none); unset: every size of the sweep's
+    sizes = config.vocab_sizes if floor is None else tuple(s for s in config.vocab_sizes if floor and s >= floor)
     run = RunConfig(layers_to_remove=values.get("layers_to_remove"),
                     min_retention=max(values.get("min_retention", config.retention_floor), config.retention_floor),
                     per_step=values.get("per_step", 1), stop_on_speedup=values.get("stop_on_speedup", True),
                     check_prompts=0,  # a trial is judged on the sweep's evaluation prompts (measure)
-                    score=score, heal=heal)
+                    vocab_sizes=sizes, score=score, heal=heal)
     return run, values.get("calibration_prompts")
 
 
@@ -128,6 +132,8 @@ def check_space(space: SearchSpace, data: SweepData) -> SearchSpace:
                           f"{len(data.calibration)} calibration prompts are loaded; raise --limit or lower it")
     if not data.heal_examples:
         space = space.without(HEAL_NAMES)
+    if data.vocab_ranking is None:
+        space = space.without(VOCAB_NAMES)
     return space
 
 
@@ -211,7 +217,7 @@ class PruningObjective:
         campaign = Campaign(data.drafter, data.drafter_dir, data.calibration[:calibration], data.source,
                             trajectories[:calibration] if trajectories is not None else None,
                             data.heal_examples if run_config.heal.steps else None, data.cache,
-                            heal_data=data.heal_data)
+                            heal_data=data.heal_data, vocab_ranking=data.vocab_ranking)
         hooks = RunHooks(log=lambda message: self.log(f"trial {trial.number}: {message}"),
                          on_step=functools.partial(self._on_step, trial, tracker, pruned))
         try:
@@ -259,7 +265,7 @@ class PruningObjective:
         the campaign (its reason; the layers removed go to `pruned`) when the Optuna pruner says so."""
         if tracker is not None:
             tracker.on_step(record, state)
-        if self.config.multi_objective:
+        if self.config.multi_objective or record.is_head_step:  # the pruner reads retention by layers removed
             return None
         removed = state.timing.layers - record.layers
         trial.report(record.retention, removed)
@@ -278,7 +284,7 @@ class PruningObjective:
 
     def measure(self, state: RunState, out: Path) -> dict:
         """What a finished campaign achieved, on its calibration prompts and on the evaluation prompts."""
-        timing, base, last = state.timing, self.base_evaluation(), state.last
+        timing, base, last, rows = state.timing, self.base_evaluation(), state.last, state.head_rows
         if last is None:
             final, checkpoint, layers = base, self.data.drafter_dir, timing.layers
         else:
@@ -288,13 +294,13 @@ class PruningObjective:
                              self.data.target)
             checkpoint, layers = exported_checkpoint(out, last.folder), last.layers
             del drafter
-        speedup = final.predicted_speedup(timing.pass_times(layers))
-        packed_ms = timing.packed_ms(layers)
+        speedup = final.predicted_speedup(timing.pass_times(layers, rows))
+        packed_ms = timing.packed_ms(layers, rows)
         return {
             "checkpoint": str(checkpoint), "tau": last.tau if last else state.base.tau,
             "retention": last.retention if last else 1.0, "eval_tau": final.tau,
             "eval_retention": final.tau / base.tau if base.tau else 0.0,
-            "predicted_speedup": speedup if speedup is not None else 0.0, "layers": layers,
+            "predicted_speedup": speedup if speedup is not None else 0.0, "layers": layers, "head_rows": rows,
             "layers_removed": timing.layers - layers, "packed_pass_ms": packed_ms,
             "cost": layers if self.config.cost == "layers" else packed_ms, "stopped_by": str(state.stopped_by),
         }

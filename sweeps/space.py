@@ -18,9 +18,10 @@ DEFAULT_SPACE = Path(__file__).with_name("default_space.toml")
 NAMES = {
     "layers_to_remove": int, "min_retention": float, "per_step": int, "stop_on_speedup": bool,
     "criterion": str, "packed_budget": int, "heal_steps": int, "lora_rank": int, "lora_alpha": int,
-    "heal_lr": float, "calibration_prompts": int,
+    "heal_lr": float, "calibration_prompts": int, "vocab_size": int,
 }
 HEAL_NAMES = ("heal_steps", "lora_rank", "lora_alpha", "heal_lr")
+VOCAB_NAMES = ("vocab_size",)  # not searched without the ids' ranking (no head steps)
 TYPES = ("int", "float", "categorical")
 
 

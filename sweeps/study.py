@@ -34,7 +34,7 @@ OVER_BUDGET = "over_budget"
 META_KEY = "d3d_prune"  # study user attribute: the mode and search space the study was created with
 # What every trial records in its user attributes (set by sweeps.objective, read by the summaries).
 TRIAL_ATTRS = ("checkpoint", "host", "worker", "trial_dir", "tau", "retention", "eval_tau", "eval_retention",
-               "predicted_speedup", "layers", "layers_removed", "packed_pass_ms", "cost", "stopped_by")
+               "predicted_speedup", "layers", "layers_removed", "head_rows", "packed_pass_ms", "cost", "stopped_by")
 
 
 class TrialSeededSampler(optuna.samplers.BaseSampler):

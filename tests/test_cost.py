@@ -248,3 +248,41 @@ def test_pinned_pass_times_file_errors_name_the_file(tmp_path, monkeypatch):
                     ' "packed": {"fixed_ms": 1, "per_layer_ms": 1}}')
     with pytest.raises(ConfigError, match="contention outside"):
         timing.pinned_times()
+
+
+def test_the_head_term_prices_a_draft_vocabulary_by_its_rows():
+    line = LayerCost.fit(36, 30.0, 18, 18.0).with_head(49216, 30.0, 2048, 22.0)
+    per_row = 8.0 / (49216 - 2048)
+    assert line.per_row_ms == pytest.approx(per_row) and line.rows == 49216
+    assert line.at(36) == line.at(36, 49216) == pytest.approx(30.0)  # the measured drafter, as measured
+    assert line.at(36, 2048) == pytest.approx(22.0) and line.at(30, 8192) == pytest.approx(26.0 - per_row * 41024)
+    assert line.to_list() == [6.0, 2 / 3, line.per_row_ms, 49216]
+    assert LayerCost(*line.to_list()) == line and LayerCost(6.0, 2 / 3).to_list() == [6.0, 2 / 3]
+    # a record without the head term predicts every head at the measured one's time; a cut that read slower
+    # than the whole head (noise) is no head term
+    assert LayerCost(6.0, 2 / 3).at(36, 2048) == pytest.approx(30.0)
+    assert LayerCost.fit(36, 30.0, 18, 18.0).with_head(49216, 30.0, 2048, 31.0).at(36, 2048) == pytest.approx(30.0)
+
+
+@pytest.mark.measured_times
+def test_layer_costs_are_fitted_on_depth_and_head_rows_from_probes(monkeypatch):
+    """decode.timing.drafter_layer_costs on synthetic pass times: each probe's pass costs 1 + 0.5 per layer + 0.01
+    per head row (the packed pass twice that); the fit recovers the line and predicts a cut, pruned drafter."""
+    import torch
+
+    from conftest import build_tiny_drafter
+    from decode import timing
+    from models.draft_vocab import head_rows, with_draft_vocab
+
+    def synthetic(model, *args, **kwargs):
+        draft = 1.0 + 0.5 * model.config.num_hidden_layers + 0.01 * head_rows(model)
+        return draft, 2 * draft
+
+    monkeypatch.setattr(timing, "drafter_pass_ms", synthetic)
+    drafter = build_tiny_drafter(num_hidden_layers=4)
+    draft, packed = timing.drafter_layer_costs(drafter, packed_budget=16)
+    assert (draft.per_layer_ms, draft.per_row_ms, draft.rows) == pytest.approx((0.5, 0.01, 99))
+    assert packed.per_row_ms == pytest.approx(0.02)
+    cut = with_draft_vocab(build_tiny_drafter(num_hidden_layers=3), torch.arange(40))
+    assert draft.at(3, head_rows(cut)) == pytest.approx(synthetic(cut)[0])
+    assert packed.at(3, 40) == pytest.approx(synthetic(cut)[1])

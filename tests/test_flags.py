@@ -21,7 +21,8 @@ from prune.commands import COMMANDS, _types
 # The arguments each command needs before a derived row's flag can be judged (valid on the tiny pair below).
 REQUIRED = {"run": ["--out", "{tmp}/run"], "sweep": ["--study", "s"], "export": ["{drafter}", "{tmp}/export"],
             "validate": ["--drafter", "{drafter}"], "distill": ["--out", "{tmp}/distill"],
-            "train-drafter": ["--data", "{data}"], "heal": ["{drafter}", "{tmp}/heal"]}
+            "train-drafter": ["--data", "{data}"], "heal": ["{drafter}", "{tmp}/heal"],
+            "vocab": ["{drafter}", "{tmp}/vocab", "--size", "2"]}
 PAIR = ["--drafter", "{drafter}", "--target", "{target}"]
 RUN = ["--out", "{tmp}/run", *PAIR, "--prompts", "{prompts}"]
 
@@ -63,6 +64,8 @@ CASES = [
     ("run", ["--speed-suite", "nosuch"], 2, "unknown prompt suite 'nosuch'"),
     ("run", [*RUN, "--layers-to-remove", "2"], 1, "--layers-to-remove 2 must be in 1..1"),
     ("run", [*RUN, "--per-step", "2"], 1, "--per-step 2 must be below the drafter's 2"),
+    ("run", ["--vocab-sizes", "8192,x"], 2, "give sizes separated by commas"),
+    ("run", ["--vocab-data", "{tmp}"], 2, "holds no distillation data"),
     ("sweep", ["--retention-floor", "-0.1"], 2, "give a fraction in (0, 1]"),
     ("sweep", ["--directions", "up"], 2, "invalid choice"),
     ("sweep", ["--study", "a/b", "--out", "{tmp}/sweep"], 1, "without slashes"),
@@ -85,6 +88,12 @@ CASES = [
     ("heal", ["{drafter}", "{taken}", "--teacher", "{drafter}", "--data", "{data}"], 1, "not empty"),
     ("heal", ["{drafter}", "{tmp}/h", "--distill-weight", "2"], 2, "give a fraction in [0, 1]"),
     ("heal", ["{drafter}", "{tmp}/h", "--gamma", "0"], 2, "give a number > 0"),
+    ("vocab", ["{target}", "{tmp}/v", "--size", "4"], 2, "is not a block-diffusion drafter"),
+    ("vocab", ["{drafter}", "{tmp}/v", "--size", "0"], 2, "give an integer >= 1"),
+    ("vocab", ["{drafter}", "{tmp}/v"], 2, "the following arguments are required: --size"),
+    ("vocab", ["{drafter}", "{tmp}/v", "--size", "4", "--data", "{empty}"], 2, "is empty"),
+    ("vocab", ["{drafter}", "{tmp}/v", "--size", "4"], 1, "pass --data"),
+    ("vocab", ["{drafter}", "{taken}", "--size", "4"], 1, "not empty"),
     ("validate", ["--drafter", "{tmp}/missing"], 2, "does not exist"),
     ("validate", ["--drafter", "{target}"], 2, "is not a block-diffusion drafter"),
     ("validate", ["--drafter", "{broken}"], 1, "is not a valid safetensors file"),
@@ -124,6 +133,8 @@ BAD = {
     _types.output_dir: ("{plain}", "is a file; give a folder path"),
     _types.suite: ("nosuch", "unknown prompt suite"),
     _types.suite_or_prompt_file: ("{empty}.jsonl", "does not exist"),
+    _types.sizes: ("64,64", "give distinct sizes >= 1"),
+    _types.vocab_source: ("{tmp}", "holds no distillation data"),
 }
 
 

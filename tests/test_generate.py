@@ -119,6 +119,21 @@ def test_api_on_an_exported_pruned_step(pair, tmp_path):
     assert same.text == text and same.stats["hit_rate"] is None
 
 
+@pytest.mark.parametrize("decoder", ["async", "sync"])
+def test_generate_with_a_draft_vocabulary_prints_the_targets_greedy_reply(pair, tmp_path, decoder):
+    from models.draft_vocab import with_draft_vocab
+    from models.drafter import load_drafter, save_drafter
+
+    text, ids = ar_text(pair)
+    said = list(dict.fromkeys(ids))  # half the tokens the target says are left out: acceptance drops, not text
+    vocab = torch.tensor(said[: len(said) // 2] + [i for i in range(40, 90) if i not in said])
+    cut = save_drafter(with_draft_vocab(load_drafter(pair / "drafter"), vocab), tmp_path / "cut",
+                       tokenizer_source=pair / "drafter")
+    reply = Generator(cut, pair / "target", dtype=torch.float32, decoder=decoder).generate(PROMPT,
+                                                                                          max_new_tokens=TOKENS)
+    assert reply.text == text and reply.ids == ids
+
+
 def test_assisted_generation_baseline_matches_ar(pair, capsys, tmp_path):
     tiny_target(seed=2, layers=1, hidden=24).save_pretrained(tmp_path / "assistant")
     args = ["bench", "--drafter", str(pair / "drafter"), "--target", str(pair / "target"), "--prompts",

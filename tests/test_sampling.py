@@ -1,7 +1,8 @@
 """Speculative sampling: sync and async continuations are distributed exactly as the target's own.
 
 A tiny target over 4 tokens; the joint law of 3 generated tokens (64 outcomes) is computed exactly from
-the target, and 1500 seeded draws per decoder are compared with it by a chi-square test. A broken
+the target, and 1500 seeded draws per decoder are compared with it by a chi-square test, with the drafter
+proposing from its whole vocabulary and from a draft vocabulary of two of the four tokens. A broken
 acceptance rule (accept every draft) must fail the same test, so the threshold has teeth.
 """
 
@@ -15,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import decode.decoders as decoders
 from decode.decoders import DecodeConfig, decode_speculative
 from decode.verifiers import LiveVerifier
+from models.draft_vocab import with_draft_vocab
 from models.drafter import create_drafter
 
 VOCAB, DRAWS, NEW_TOKENS, PROMPT = 4, 1500, 3, [1, 3]
@@ -62,8 +64,10 @@ def p_value(target, drafter, decoder) -> float:
 
 
 @pytest.mark.parametrize("decoder", ["sync", "async"])
-def test_speculative_sampling_matches_target_law(pair, decoder):
-    assert p_value(*pair, decoder) > 1e-3
+@pytest.mark.parametrize("vocab", [None, [2, 0]])
+def test_speculative_sampling_matches_target_law(pair, decoder, vocab):
+    target, drafter = pair
+    assert p_value(target, drafter if vocab is None else with_draft_vocab(drafter, torch.tensor(vocab)), decoder) > 1e-3
 
 
 def test_broken_acceptance_rule_is_detected(pair, monkeypatch):

@@ -3,6 +3,6 @@
 A command is listed here only once it works end to end.
 """
 
-from . import bench, dashboard, distill, export, generate, heal, run, score, sweep, train_drafter, validate
+from . import bench, dashboard, distill, export, generate, heal, run, score, sweep, train_drafter, validate, vocab
 
-COMMANDS = (bench, generate, score, run, heal, sweep, dashboard, export, validate, distill, train_drafter)
+COMMANDS = (bench, generate, score, run, heal, vocab, sweep, dashboard, export, validate, distill, train_drafter)

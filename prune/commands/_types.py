@@ -51,6 +51,17 @@ positive_fraction = _bounded(float, "a fraction in (0, 1]", low=0, high=1, low_o
 fraction = _bounded(float, "a fraction in [0, 1]", low=0, high=1)
 
 
+def sizes(text: str) -> tuple[int, ...]:
+    """Distinct positive sizes separated by commas ("8192,4096"), largest first."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        _reject(f"got {text!r}; give sizes separated by commas, e.g. 8192,4096")
+    if min(values) < 1 or len(set(values)) != len(values):
+        _reject(f"got {text}; give distinct sizes >= 1")
+    return tuple(sorted(values, reverse=True))
+
+
 def layer_indices(text: str) -> tuple[int, ...]:
     """Distinct 0-based layer indices separated by commas ("3,2,8")."""
     try:
@@ -226,6 +237,11 @@ def data_dir(text: str) -> str:
     if not (_folder(text) / MANIFEST).is_file():
         _reject(f"{text} holds no distillation data (no {MANIFEST}); give a folder written by prune distill")
     return text
+
+
+def vocab_source(text: str) -> str:
+    """What a draft vocabulary is counted from: a distillation data folder, or a --save-outputs JSONL file."""
+    return data_dir(text) if Path(text).is_dir() else text_file(text)
 
 
 def suite(text: str) -> str:

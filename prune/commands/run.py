@@ -97,6 +97,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--speedup-tolerance", type=_types.fraction, default=RUN["speedup_tolerance"], metavar="F",
                         help="take a step whose predicted speedup is less than this fraction below the best so far "
                         "(0: every step must improve on the best)")
+    add_vocab_args(parser)
     parser.add_argument("--no-carry-screen", dest="carry_screen", action="store_false",
                         help="screen every layer afresh in every scoring round (default: after the first step, "
                         "a round scores the previous round's --screen-keep lowest layers, and the others only "
@@ -169,7 +170,8 @@ def _run(args) -> int:
         args.check_prompts = len(checks)
     decode, times = decode_config(args, pair, max_new_tokens=args.max_new_tokens)
     examples, heal_data = heal_examples(args) if args.heal_steps > 0 else (None, None)  # no heal: no data to read
-    config = run_config(args, decode, healing=bool(examples))
+    ranking = vocab_ranking(args, pair.drafter)
+    config = run_config(args, decode, healing=bool(examples), vocab=ranking is not None)
     config.validate(pair.drafter.config.num_hidden_layers)
     check_pass_times(config.score.criterion, times)
     cache = cache_dir(args)
@@ -186,7 +188,7 @@ def _run(args) -> int:
         "heal_data": heal_data,
         "out": args.out, "resume": args.resume}, drafter_hash, out=args.out)
     campaign = Campaign(pair.drafter, drafter_dir, prompts, source, trajectories, examples, cache, checks,
-                        check_trajectories, heal_data)
+                        check_trajectories, heal_data, ranking)
     shown = show_progress(args.json)
     hooks = RunHooks(log=lambda message: print(message, file=sys.stderr), on_step=tracker.on_step,
                      progress=functools.partial(progress_bar, enabled=shown), heal_progress=shown)
@@ -206,11 +208,45 @@ def _run(args) -> int:
     return 0
 
 
-def run_config(args, decode, healing: bool) -> RunConfig:
+def run_config(args, decode, healing: bool, vocab: bool = False) -> RunConfig:
     """The RunConfig of `prune run`'s flags and --config file (prune/commands/_settings.py) with the tuned
-    `decode` settings (`healing`: there are heal examples; without, no heal steps)."""
+    `decode` settings (`healing`: there are heal examples; without, no heal steps; `vocab`: there is a token
+    ranking; without, no head steps)."""
     overrides = {"score.decode": decode, "score.loss_data": loss_data(args, (args.criterion, args.prescreen))}
-    return build(args, "run", {**overrides, **({} if healing else {"heal.steps": 0})})
+    overrides.update({} if healing else {"heal.steps": 0})
+    overrides.update({} if vocab else {"vocab_sizes": ()})
+    return build(args, "run", overrides)
+
+
+def add_vocab_args(parser) -> None:
+    """--vocab-sizes, --no-vocab-steps and --vocab-data of `prune run` and `prune sweep`: the head steps."""
+    parser.add_argument("--vocab-sizes", type=_types.sizes, default=RUN["vocab_sizes"], metavar="K,K,...",
+                        help="draft vocabulary sizes a head step may cut the drafter's head to, largest first: "
+                        "before each layer step the run tries the next size below the ids the drafter proposes, "
+                        "judged on the check prompts by the same rules as a layer step, and takes it when they "
+                        "accept it (the head's rows are a large share of a small drafter's pass)")
+    parser.add_argument("--no-vocab-steps", action="store_true",
+                        help="take no head steps: the drafter keeps the ids it proposes from")
+    parser.add_argument("--vocab-data", type=_types.vocab_source, nargs="+", default=None, metavar="DIR|FILE.jsonl",
+                        help="what head steps rank the ids on: distillation data folders or prune bench "
+                        "--save-outputs files of training prompts (default: the healing data, --heal-data or the "
+                        "demo drafter's shipped folders; without any, no head steps)")
+
+
+def vocab_ranking(args, drafter):
+    """The token ranking of the run's head steps (prune.vocab.rank_tokens on --vocab-data, else the healing
+    data), or None with a note when there are none (--no-vocab-steps, no size below the drafter's ids, no data)."""
+    from prune.vocab import next_head_size, rank_tokens
+
+    from .vocab import vocab_data
+
+    if args.no_vocab_steps or next_head_size(args.vocab_sizes, drafter) is None:
+        return None
+    sources = vocab_data(args.vocab_data or args.heal_data, args.drafter, flag="--vocab-data")
+    if sources is None:
+        print("note: no head steps: no data to rank the draft vocabulary's ids on (--vocab-data)", file=sys.stderr)
+        return None
+    return rank_tokens(sources, drafter.config)
 
 
 def check_prompts_note(source: str, calibration: int, found: int, asked: int) -> str:
@@ -268,7 +304,8 @@ def equal_tau_gain(state: dict) -> float | None:
     # a state from before the round shape was recorded (or a partial one) has no width: nothing to model
     if not state.get("history") or not state.get("timing") or state["base"].get("width") is None:
         return None
-    return RunState.from_dict(state).equal_tau_speedup(state["history"][-1]["layers"])
+    run = RunState.from_dict(state)
+    return run.equal_tau_speedup(run.layers, run.head_rows)
 
 
 def summary_lines(state: dict, out: str) -> list[str]:
@@ -294,7 +331,9 @@ def summary_lines(state: dict, out: str) -> list[str]:
     removed = [i for h in history for i in h["removed_original"]]
     unpruned = state.get("timing", {}).get("layers")
     of = f" of {unpruned}" if unpruned else ""
-    lines = [f"removed {len(removed)}{of} layers (original indices {', '.join(map(str, removed))}) in "
+    heads = [h["head_rows"] for h in history if h.get("head_rows")]
+    cut = f" and cut the head to {heads[-1]} ids" if heads else ""
+    lines = [f"removed {len(removed)}{of} layers (original indices {', '.join(map(str, removed))}){cut} in "
              f"{len(history)} step{'s' * (len(history) != 1)}; stopped by {state['stopped_by']}"
              if history else f"removed no layer; stopped by {state['stopped_by']}"]
 
@@ -321,7 +360,7 @@ def summary_lines(state: dict, out: str) -> list[str]:
                  errors=(speed_base.get("measured_speedup_error"), speed_final.get("measured_speedup_error")))
     gain = equal_tau_gain(state)
     if gain is not None:
-        lines.append(f"fewer layers alone, at equal tau (predicted): {gain:.3f}x")
+        lines.append(f"fewer layers{' and head rows' if heads else ''} alone, at equal tau (predicted): {gain:.3f}x")
     if history:
         layers = final["layers"]
         lines.append(f"pruned drafter: {Path(out) / 'final'} -> {final['folder']} ({layers} "

@@ -32,6 +32,7 @@ from ._heal import add_heal_data_arg, add_loss_data_arg, heal_examples, loss_dat
 from ._help import PROMPTS
 from ._settings import build
 from ._target import add_target_args, trajectory_source
+from .run import add_vocab_args, vocab_ranking
 
 EXAMPLES = """
 examples:
@@ -102,6 +103,7 @@ def add_parser(subparsers) -> None:
     add_decode_args(parser)
     add_heal_data_arg(parser)  # without healing data the space's LoRA settings are not searched
     add_loss_data_arg(parser)
+    add_vocab_args(parser)  # without the ids' ranking the space's vocab_size is not searched
     add_export_dtype_arg(parser)
     add_tracking_args(parser)
     add_debug(parser)
@@ -184,8 +186,11 @@ def _objective(args, config, space):
         print("note: no --heal-data, so trials do not heal and the space's LoRA settings are not searched",
               file=sys.stderr)
     drafter_hash = fingerprint(pair.drafter)
+    ranking = vocab_ranking(args, pair.drafter)
+    config.vocab_sizes = args.vocab_sizes if ranking is not None else ()
     data = SweepData(pair.drafter, drafter_dir, source, calibration_ids, trajectories(calibration_ids),
-                     evaluation_ids, trajectories(evaluation_ids), examples, drafter_hash, times, cache, heal_data)
+                     evaluation_ids, trajectories(evaluation_ids), examples, drafter_hash, times, cache, heal_data,
+                     ranking)
 
     def tracker_factory(trial, run_config):
         name = f"{config.study}-trial-{trial.number:04d}"

@@ -15,7 +15,7 @@ def add_parser(subparsers) -> None:
         help="check a drafter folder and its compatibility with a target",
         description="Check a drafter checkpoint without loading its weights: config keys, per-layer config "
         "lists, safetensors integrity (one model.safetensors, or every shard against its index), tensor names and "
-        "shapes; with --target also the vocabulary, mask id, "
+        "shapes, the draft vocabulary (its ids file against config.json, reported as draft_vocab_tokens); with --target also the vocabulary, mask id, "
         "tokenizer and block size against the target. Then a memory plan from the configs alone: parameters, bytes and "
         "the estimated peak memory of prune score, prune run (default heal) and prune heal --train full on --device "
         "(prune/memory_plan.py), with a warning on stderr for each that exceeds the device's free memory."
@@ -58,6 +58,9 @@ def run(args) -> int:
         "vocab_size": config.vocab_size,
         "weight_files": len(weight_files(args.drafter)),
         "weights_bytes": weights_bytes(args.drafter),
+        # the ids it proposes from (models/draft_vocab.py; validate_checkpoint checked the file): None = every id
+        "draft_vocab_tokens": (getattr(config, "draft_vocab", None) or {}).get("tokens"),
+        "draft_vocab": getattr(config, "draft_vocab", None),
         "compatible_with_target": None,
     }
     target_config = None
@@ -66,7 +69,7 @@ def run(args) -> int:
         check_pair(config, target_config, load_tokenizer(args.drafter), load_tokenizer(args.target))
         summary["target"] = args.target
         summary["compatible_with_target"] = True
-    checked = ", ".join(f"{k}={v}" for k, v in summary.items() if k not in ("original_layer_indices",))
+    checked = ", ".join(f"{k}={v}" for k, v in summary.items() if k not in ("original_layer_indices", "draft_vocab"))
     plan, available, source = _memory_plan(args, config, target_config)
     summary.update(plan.to_dict(), available_bytes=available, available_source=source)
     if args.json:

@@ -11,9 +11,11 @@ so a slot sees the same keys in training as at inference.
   slots past the sequence end or on prompt positions get weight 0. Normalised by sum(w_i * valid).
 - L_AR: next-token cross entropy of the clean stream, on rows whose next token is a response token.
 - The head runs only on supervised rows (`head_losses`, in chunks of rows), over the ids inference can
-  propose (those `masked_logits` leaves finite: not the mask id nor padded vocabulary rows). Those ids are
-  never targets, so the loss stays finite; the softmax is normalised over the ids inference can propose,
-  and no gradient is spent pushing down logits that inference discards anyway.
+  propose (those `masked_logits` leaves finite: not the mask id nor padded vocabulary rows, and only the
+  draft vocabulary where the drafter has one). The mask id and padding are never targets, and a target
+  outside a draft vocabulary adds no cross entropy, so the loss stays finite; the softmax is normalised
+  over the ids inference can propose, and no gradient is spent pushing down logits that inference
+  discards anyway.
 """
 
 import hashlib
@@ -347,7 +349,8 @@ def head_losses(lm: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor
     Args:
         lm: the drafter's `Qwen3ForCausalLM` (its `lm_head` is bias-free).
         hidden: `(rows, hidden_size)`, the drafter's final hidden states at the supervised rows.
-        targets: LongTensor `(rows,)`, never a masked id.
+        targets: LongTensor `(rows,)`, never the mask id nor a padding row; an id outside a draft vocabulary
+            adds no cross entropy (its row still matches the teacher).
         teacher_lm, teacher_hidden: the teacher's model (same vocabulary) and its hidden states at the same
             rows (no grad).
 
@@ -443,13 +446,14 @@ def _head_chunk(head, hidden, targets, teacher_head, teacher_hidden, distill_wei
     d loss / d logits `(c, V')` when `gradient`, else None)."""
     logits = F.linear(hidden.float(), head)
     log_q = F.log_softmax(logits, -1)
-    picked = targets[:, None]
-    loss = -log_q.gather(-1, picked).squeeze(-1) * (1 - distill_weight)
+    # A target outside a draft vocabulary (column -1) has no cross entropy: the drafter cannot propose it.
+    proposable = (targets >= 0)[:, None].to(logits.dtype)
+    picked = targets.clamp_min(0)[:, None]
+    loss = -(log_q.gather(-1, picked) * proposable).squeeze(-1) * (1 - distill_weight)
     grad = None
     if gradient:
         grad = log_q.exp()
-        grad.scatter_add_(-1, picked, torch.full(picked.shape, distill_weight - 1, dtype=grad.dtype,
-                                                 device=grad.device))
+        grad.scatter_add_(-1, picked, (distill_weight - 1) * proposable)
     if teacher_head is not None:
         log_p = F.log_softmax(F.linear(teacher_hidden.float(), teacher_head), -1)
         p = log_p.exp()
