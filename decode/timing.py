@@ -62,8 +62,6 @@ class PinnedTimes:
         """(sync draft, packed) LayerCost of a drafter whose head computes `rows` rows: the pinned record's
         `per_row_ms` counts every row (a record without it has no head term)."""
         def at_rows(cost: LayerCost) -> LayerCost:
-            if not cost.per_row_ms:
-                return LayerCost(cost.fixed_ms, cost.per_layer_ms)
             return LayerCost(cost.fixed_ms + cost.per_row_ms * rows, cost.per_layer_ms, cost.per_row_ms, rows)
 
         return at_rows(self.draft), at_rows(self.packed)

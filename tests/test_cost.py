@@ -217,6 +217,7 @@ def test_pinned_pass_times_replace_the_stopwatch(pinned_times_file):
     from decode import timing
     from decode.cost import LayerCost
     from decode.decoders import DecodeConfig
+    from models.draft_vocab import head_rows
     from models.surgery import remove_layers
 
     assert timing.pinned_times() is not None
@@ -228,7 +229,9 @@ def test_pinned_pass_times_replace_the_stopwatch(pinned_times_file):
     assert pruned.packed_ms == pytest.approx(packed["fixed_ms"] + 2 * packed["per_layer_ms"])
     assert (full.ar_ms, full.contention, full.draft_tokens, full.packed_tokens) == (10.0, 0.25, 5, 4 + 3 * 5)
     assert timing.drafter_pass_ms(drafter, 16) == (full.draft_ms, full.packed_ms)
-    assert timing.drafter_layer_costs(drafter, 16, target=target) == (LayerCost(**draft), LayerCost(**packed))
+    rows = head_rows(drafter)  # no per_row_ms pinned: the rows cost nothing extra
+    assert timing.drafter_layer_costs(drafter, 16, target=target) == (LayerCost(**draft, rows=rows),
+                                                                       LayerCost(**packed, rows=rows))
 
 
 @pytest.mark.measured_times
