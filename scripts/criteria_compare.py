@@ -140,7 +140,7 @@ class Stages:
         wall = self.call(f"run-{variant['name']}", [
             "run", *self.calibration(), *shlex.split(a.run_args), *variant["flags"], *heal, *checks,
             "--out", str(folder), "--resume", "--layers-to-remove", str(max(depths(a))), "--per-step", "1",
-            "--check-candidates", "1", "--no-speedup-stop", "--min-retention", str(a.min_retention),
+            "--check-candidates", "1", "--no-stop-on-speedup", "--min-retention", str(a.min_retention),
             "--speed-prompts", "0", "--no-wandb", "--json", str(folder.with_suffix(".json"))])
         (self.out / "runs" / f"{variant['name']}.wall.json").write_text(json.dumps({"wall_s": wall}) + "\n")
 

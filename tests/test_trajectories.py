@@ -145,7 +145,7 @@ def run_args(root, target: str, out, *extra) -> list[str]:
     # --limit 1: one calibration prompt, the other two judge the step, decoding 16 tokens each (the recorded cap).
     return ["run", *models(root, target), "--prompts", str(root / "prompts.jsonl"), "--limit", "1",
             "--max-new-tokens", "12", "--check-tokens", "16", "--out", str(out), "--layers-to-remove", "1",
-            "--min-retention", "0.01", "--no-speedup-stop", "--heal-steps", "0", "--cache-dir", str(root / "cache"),
+            "--min-retention", "0.01", "--no-stop-on-speedup", "--heal-steps", "0", "--cache-dir", str(root / "cache"),
             "--no-wandb", "--json", "-", *extra]
 
 
