@@ -24,7 +24,7 @@ from .engine import DraftEngine, DraftRequest
 from .verifiers import LiveVerifier
 from .worker import draft_stream, draft_worker, thread_split
 from models.masks import BlockSpec
-from models.surgery import remove_layers
+from models.surgery import without_layers
 
 
 def elapsed_ms(run, device: torch.device) -> float:
@@ -197,32 +197,35 @@ def _line(ms_by_width: dict[int, float]) -> tuple[float, float]:
 
 def drafter_layer_costs(drafter, packed_budget: int, repeats: int = 5, full: tuple[float, float] | None = None,
                         target=None, context: int = 64) -> tuple[LayerCost, LayerCost]:
-    """(sync draft, packed) pass time as affine functions of depth, fitted on `drafter` and on a copy
-    without its second half of layers (decode.cost.LayerCost).
+    """(sync draft, packed) pass time as affine functions of depth, fitted on `drafter` and on a view of it
+    without its second half of layers (models.surgery.without_layers: no weight copied; decode.cost.LayerCost).
 
     With `target`, both depths are timed in one interleaved measurement, each pass right after an untimed
     verify pass of width B/2 as in decoding (measure_pass_times does the same): a small drafter timed
     alone stays in the caches and looked cheaper than it decodes, so pruned drafters were predicted too
     fast (1.28x predicted, 1.04x measured at 8 of 36 layers removed). `full`: the drafter's own pass times
     when already measured (measure_pass_times); the fit then passes through them. Without a target the
-    half-depth copy is timed alone.
+    half-depth view is timed alone.
     """
     layers = drafter.config.num_hidden_layers
     if layers < 2:
         full = full or drafter_pass_ms(drafter, packed_budget, repeats, context)
         return LayerCost(0.0, full[0] / layers), LayerCost(0.0, full[1] / layers)
-    half = remove_layers(drafter, list(range(layers // 2, layers)))
-    depth = half.config.num_hidden_layers
+    depth = layers // 2
     if target is None:
         full = full or drafter_pass_ms(drafter, packed_budget, repeats, context)
-        shallow = drafter_pass_ms(half, packed_budget, repeats, context)
+        with without_layers(drafter, range(depth, layers)) as half:
+            shallow = drafter_pass_ms(half, packed_budget, repeats, context)
     else:
-        probes = {"full": _DrafterProbe(drafter, packed_budget, context), "half": _DrafterProbe(half, packed_budget, context)}
-        runs = {(depth_name, kind): functools.partial(probe.run, getattr(probe, kind))
-                for depth_name, probe in probes.items() for kind in ("draft", "packed")}
-        target_probe = _TargetProbe(target, context)
-        verify = functools.partial(target_probe.run, max(2, drafter.config.block_size // 2))
-        ms = _interleaved_ms(runs, repeats, probes["full"].engine.device, before={name: verify for name in runs})
+        # The view keeps the first layers at their own indices, so the drafter runs beside it unchanged.
+        with without_layers(drafter, range(depth, layers)) as half:
+            probes = {"full": _DrafterProbe(drafter, packed_budget, context),
+                      "half": _DrafterProbe(half, packed_budget, context)}
+            runs = {(depth_name, kind): functools.partial(probe.run, getattr(probe, kind))
+                    for depth_name, probe in probes.items() for kind in ("draft", "packed")}
+            target_probe = _TargetProbe(target, context)
+            verify = functools.partial(target_probe.run, max(2, drafter.config.block_size // 2))
+            ms = _interleaved_ms(runs, repeats, probes["full"].engine.device, before={name: verify for name in runs})
         measured = (ms[("full", "draft")], ms[("full", "packed")])
         shallow = (ms[("half", "draft")], ms[("half", "packed")])
         if full is not None:

@@ -27,8 +27,11 @@ from .cache import StaticKV
 from .transfer import upload
 
 _ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-# model -> {kind: (key, derived matrices)} (`stacked`, plain or packed), kept between decoders; outside the model so
-# that copies of it (layer surgery deep-copies) neither carry nor share them, and dropped with the model.
+# module -> {kind: (key, derived tensors)}, kept between decoders: a target's stacked layer matrices (`stacked`,
+# plain or packed) under the model, the lm_head's under the lm_head, a drafter layer's fused form under that layer
+# (so a view of the drafter without some layers, models.surgery.without_layers, reuses its kept layers' and
+# head's forms instead of deriving a second set). Outside the modules, so that copies of them (layer surgery
+# deep-copies) neither carry nor share them, and dropped with the module.
 _PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -44,10 +47,11 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def stacked(model: torch.nn.Module, role: str, groups: list[tuple[torch.Tensor, ...]], packed: bool
+def stacked(owner: torch.nn.Module, role: str, groups: list[tuple[torch.Tensor, ...]], packed: bool
             ) -> list[torch.Tensor]:
     """One matrix per group of `groups` (`(out, in)` weights stacked along the output dimension), made once
-    per model and `role` ("layers", "head") and reused while the weights are unchanged: oneDNN-prepacked
+    per `owner` (the module holding the weights: the model for "layers", the lm_head for "head") and `role`,
+    and reused while the weights are unchanged: oneDNN-prepacked
     where `packed`, else `(in, out)` contiguous for `torch.mm`.
 
     Stacking saves where each product's fixed cost is most of it: q, k and v (and gate and up) read the same
@@ -72,7 +76,7 @@ def stacked(model: torch.nn.Module, role: str, groups: list[tuple[torch.Tensor, 
             return [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in matrices]
         return [w.t().contiguous() for w in matrices]
 
-    return _derived(model, (role, packed), flat, build)
+    return _derived(owner, (role, packed), flat, build)
 
 
 def forget_unused(model: torch.nn.Module, packed_from: int | None) -> None:
@@ -85,15 +89,15 @@ def forget_unused(model: torch.nn.Module, packed_from: int | None) -> None:
         derived.pop(("layers", True), None)
 
 
-def _derived(model: torch.nn.Module, kind: tuple, weights: list[torch.Tensor], build) -> list:
-    """`build()` (tensors derived from `weights`), cached per (model, kind) while `weights` are unchanged."""
+def _derived(owner: torch.nn.Module, kind: tuple, weights: list[torch.Tensor], build):
+    """`build()` (tensors derived from `weights`), cached per (owner, kind) while `weights` are unchanged."""
     key = tuple((w.data_ptr(), -1 if w.is_inference() else w._version, _sample_sum(w)) for w in weights)
-    cached = _PACKED.setdefault(model, {}).get(kind)
+    cached = _PACKED.setdefault(owner, {}).get(kind)
     if cached is not None and cached[0] == key:
         return cached[1]
     with torch.inference_mode():
         derived = build()
-    _PACKED[model][kind] = (key, derived)
+    _PACKED[owner][kind] = (key, derived)
     return derived
 
 
@@ -268,8 +272,8 @@ class LeanDecoder:
             `packed_from` then apply to the lm_head only). The same function to float rounding, in another
             order of operations: for drafters, never for a target whose outputs are checked against ar.
 
-    The matrices are derived from the model's weights when the decoder is built (`stacked`, cached per
-    model): weights changed afterwards are not seen; build a new LeanDecoder.
+    The matrices are derived from the model's weights when the decoder is built (`stacked`, `_fused_layers`;
+    cached per module that holds the weights): weights changed afterwards are not seen; build a new LeanDecoder.
     """
 
     def __init__(self, model: torch.nn.Module, packed_from: int | None = None, copies: bool | None = None,
@@ -297,7 +301,7 @@ class LeanDecoder:
         self.layers = self._fused_layers(model) if fused else self._layers(model)
         self._eps = torch.tensor(self.eps, dtype=torch.float32, device=self.device)  # as `_inverse_rms` takes it
         head = model.lm_head.weight
-        self.head = _Matrix(None, stacked(model, "head", [(head,)], packed=True)[0] if can_pack else None)
+        self.head = _Matrix(None, stacked(model.lm_head, "head", [(head,)], packed=True)[0] if can_pack else None)
         self.head_packed_from = (1 if self.packed_from == 1 else 2) if can_pack else None
 
     def _layers(self, model: torch.nn.Module) -> list[_Layer]:
@@ -326,11 +330,13 @@ class LeanDecoder:
         return layers
 
     def _fused_layers(self, model: torch.nn.Module) -> list[_FusedLayer]:
-        """The model's layers in the fused form, derived once per model while its weights are unchanged."""
-        modules = list(model.model.layers)
-        weights = [w.detach() for module in modules for w in module.parameters()]  # every tensor folded in: the key
+        """The model's layers in the fused form, each derived once per layer module while its weights are
+        unchanged: models sharing a layer (a view without some layers, models.surgery.without_layers) share
+        its fused form."""
         shape = (self.num_heads, self.num_kv_heads, self.head_dim)
-        return _derived(model, ("fused",), weights, lambda: [_fused_layer(m, *shape) for m in modules])
+        return [_derived(module, ("fused", *shape), [w.detach() for w in module.parameters()],  # every tensor
+                         lambda module=module: _fused_layer(module, *shape))                # folded in: the key
+                for module in model.model.layers]
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -363,7 +369,7 @@ class LeanDecoder:
         if not self.copies:
             return self.model.lm_head(hidden)
         if self.head.plain is None:  # made on first use: a target's one-token steps, or no prepacking here
-            plain = stacked(self.model, "head", [(self.model.lm_head.weight,)], packed=False)[0]
+            plain = stacked(self.model.lm_head, "head", [(self.model.lm_head.weight,)], packed=False)[0]
             self.head = self.head._replace(plain=plain)
         return self.head(hidden, None)
 

@@ -343,3 +343,27 @@ def test_decoders_of_one_model_share_its_derived_matrices():
     for a, b in zip(first.layers, second.layers):
         assert a.qkv.plain is b.qkv.plain and a.down.packed is b.down.packed
     assert first.head.packed is second.head.packed
+
+
+@torch.inference_mode()
+def test_a_view_without_layers_reuses_the_fused_forms_and_head_of_the_drafter():
+    """A drafter's fused layers and its head are derived per layer and per lm_head, not per model: a view of the
+    drafter without some layers (models.surgery.without_layers, scoring's ablations) derives nothing, and
+    computes what a copy without them computes, bit for bit."""
+    from models.surgery import remove_layers, without_layers
+
+    model = build_tiny_drafter(num_hidden_layers=4, block_size=4)
+    ids, positions = torch.tensor([prompt_ids(9, seed=4)]), torch.arange(9)[None]
+
+    def logits(lean):
+        return lean.logits(lean.forward(ids, positions, None, lean.new_cache(1)))
+
+    full = LeanDecoder(model, fused=True)
+    for removed in ([1], [0, 3], [1]):
+        kept = [i for i in range(4) if i not in removed]
+        with without_layers(model, removed) as view:
+            lean = LeanDecoder(view, fused=True)
+            assert all(a is full.layers[i] for a, i in zip(lean.layers, kept, strict=True))
+            assert lean.head.packed is full.head.packed
+            assert torch.equal(logits(lean), logits(LeanDecoder(remove_layers(model, removed), fused=True)))
+    assert all(a is b for a, b in zip(LeanDecoder(model, fused=True).layers, full.layers, strict=True))
