@@ -268,9 +268,12 @@ class LeanDecoder:
         fused: run the layers in the fused form (`_fused_layer`; docs/speed.md, The drafter's fused form):
             norm weights folded into the products, RoPE's rotated halves made by the q/k/v product, RMS
             norms as vector norms, residual additions inside the products (`addmm`). About half the
-            operations of a layer, on derived copies of its weights on any device (`copies` and
-            `packed_from` then apply to the lm_head only). The same function to float rounding, in another
-            order of operations: for drafters, never for a target whose outputs are checked against ar.
+            operations of a layer, on derived copies of its weights (`packed_from` then applies to the
+            lm_head only); so only where the decoder keeps copies (`copies`): without them (a GPU) the
+            layers read the model's own weights in transformers' order, and device memory holds one
+            drafter (a fused copy of an 8B drafter's layers, 15 GB in bfloat16, would not fit beside a 32B
+            target on an 80 GB card). The same function to float rounding, in another order of
+            operations: for drafters, never for a target whose outputs are checked against ar.
 
     The matrices are derived from the model's weights when the decoder is built (`stacked`, `_fused_layers`;
     cached per module that holds the weights): weights changed afterwards are not seen; build a new LeanDecoder.
@@ -297,8 +300,8 @@ class LeanDecoder:
         self.copies = self.device.type == "cpu" if copies is None else copies
         can_pack = self.copies and can_prepack(self.device, self.dtype)
         self.packed_from = packed_from if can_pack else None
-        self.fused = fused
-        self.layers = self._fused_layers(model) if fused else self._layers(model)
+        self.fused = fused and self.copies
+        self.layers = self._fused_layers(model) if self.fused else self._layers(model)
         self._eps = torch.tensor(self.eps, dtype=torch.float32, device=self.device)  # as `_inverse_rms` takes it
         head = model.lm_head.weight
         self.head = _Matrix(None, stacked(model.lm_head, "head", [(head,)], packed=True)[0] if can_pack else None)
