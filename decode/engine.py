@@ -108,9 +108,9 @@ class DraftEngine:
         self.staged = self.device.type != "cpu"
         self._ready = None  # a CUDA event the next pass waits for (see mark_ready)
         self.rows = rows
-        # The fused form (models/lean.py): a drafter's outputs need not follow transformers' order of
-        # operations. Its layer products are not prepacked: measured on 2 AVX2 cores, they gain nothing from
-        # it (its lm_head does).
+        # The fused form (models/lean.py), where the lean forward keeps derived copies (a CPU; a GPU runs the
+        # drafter's own weights): a drafter's outputs need not follow transformers' order of operations. Its
+        # layer products are not prepacked: measured on 2 AVX2 cores, they gain nothing from it (its lm_head does).
         self.runner = decoder_runner(model, lean, fused=True)
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             self.cache = self.runner.new_cache(rows)  # drafter-stream memory, reused in that stream's order

@@ -18,6 +18,7 @@ same on any machine under any load; the test suite runs on pinned times, and a u
 reproduce a run's decisions elsewhere. Cache keys hold the pinned record (prune.cache.pass_times_key).
 """
 
+import contextlib
 import functools
 import json
 import os
@@ -34,7 +35,7 @@ from .engine import DraftEngine, DraftRequest
 from .verifiers import LiveVerifier
 from .worker import draft_stream, draft_worker, thread_split
 from models.masks import BlockSpec
-from models.surgery import remove_layers
+from models.surgery import without_layers
 
 
 PINNED_TIMES_ENV = "D3D_PRUNE_PASS_TIMES"
@@ -318,16 +319,16 @@ def head_probe(drafter):
 
 def drafter_layer_costs(drafter, packed_budget: int, repeats: int = 5, full: tuple[float, float] | None = None,
                         target=None, context: int = 64) -> tuple[LayerCost, LayerCost]:
-    """(sync draft, packed) pass time as affine functions of depth and head rows, fitted on `drafter`, on a copy
-    without its second half of layers and on a copy whose head computes a few of its rows (`head_probe`;
-    decode.cost.LayerCost).
+    """(sync draft, packed) pass time as affine functions of depth and head rows, fitted on `drafter`, on a view
+    of it without its second half of layers (models.surgery.without_layers: no weight copied) and on a copy
+    whose head computes a few of its rows (`head_probe`; decode.cost.LayerCost).
 
     With `target`, both depths are timed in one interleaved measurement, each pass right after an untimed
     verify pass of width B/2 as in decoding (measure_pass_times does the same): a small drafter timed
     alone stays in the caches and looked cheaper than it decodes, so pruned drafters were predicted too
     fast (1.28x predicted, 1.04x measured at 8 of 36 layers removed). `full`: the drafter's own pass times
     when already measured (measure_pass_times); the fit then passes through them. Without a target the
-    half-depth copy is timed alone. Pinned times (`pinned_times`) give their own layer costs.
+    half-depth view is timed alone. Pinned times (`pinned_times`) give their own layer costs.
     """
     from models.draft_vocab import head_rows
 
@@ -337,8 +338,17 @@ def drafter_layer_costs(drafter, packed_budget: int, repeats: int = 5, full: tup
         return pinned.layer_costs(rows)
     cut, cut_rows = head_probe(drafter)
     models = {"full": drafter, "head": cut}
-    if layers >= 2:
-        models["half"] = remove_layers(drafter, list(range(layers // 2, layers)))
+    with contextlib.ExitStack() as views:
+        if layers >= 2:  # the view keeps the first layers at their own indices: the drafter runs beside it
+            models["half"] = views.enter_context(without_layers(drafter, range(layers // 2, layers)))
+        ms, measured = _probe_ms(models, full, packed_budget, repeats, context, target)
+        half_depth = models["half"].config.num_hidden_layers if layers >= 2 else None
+    return _fitted(layers, rows, full or measured, measured, ms, half_depth, cut_rows)
+
+
+def _probe_ms(models: dict, full, packed_budget: int, repeats: int, context: int, target):
+    """({name: (draft, packed) ms} of `models` and the full drafter's measured pair), `drafter_layer_costs`'
+    measurement: interleaved after verify passes with `target`, each alone without it."""
     if target is None:
         ms = {name: drafter_pass_ms(model, packed_budget, repeats, context) for name, model in models.items()
               if name != "full" or full is None}
@@ -348,21 +358,26 @@ def drafter_layer_costs(drafter, packed_budget: int, repeats: int = 5, full: tup
         runs = {(name, kind): functools.partial(probe.run, getattr(probe, kind))
                 for name, probe in probes.items() for kind in ("draft", "packed")}
         target_probe = _TargetProbe(target, context)
-        verify = functools.partial(target_probe.run, max(2, drafter.config.block_size // 2))
+        verify = functools.partial(target_probe.run, max(2, models["full"].config.block_size // 2))
         times = _interleaved_ms(runs, repeats, probes["full"].engine.device, before={name: verify for name in runs})
         ms = {name: (times[(name, "draft")], times[(name, "packed")]) for name in models}
         measured = ms["full"]
-    # With the pair's own pass times (`full`), the depth and head dependence come from this measurement (every
-    # copy under the same conditions) and the level from the pair's times, so the fit meets them at full depth:
-    # a separate measurement of the full drafter here read 36 ms where the pair's read 46 ms, and every
-    # prediction moved with it.
-    full = full or measured
-    scaled = {name: tuple(f * s / m for f, s, m in zip(full, ms[name], measured)) for name in models if name != "full"}
+    return ms, measured
+
+
+def _fitted(layers: int, rows: int, full, measured, ms: dict, half_depth: int | None, cut_rows: int):
+    """The (sync draft, packed) LayerCost of `drafter_layer_costs` from its probes' times `ms`.
+
+    With the pair's own pass times (`full`), the depth and head dependence come from this measurement (every
+    probe under the same conditions) and the level from the pair's times, so the fit meets them at full depth:
+    a separate measurement of the full drafter here read 36 ms where the pair's read 46 ms, and every
+    prediction moved with it."""
+    scaled = {name: tuple(f * s / m for f, s, m in zip(full, ms[name], measured)) for name in ms if name != "full"}
     costs = []
     for kind in range(2):
         if layers < 2:
             cost = LayerCost(0.0, full[kind] / layers)
         else:
-            cost = LayerCost.fit(layers, full[kind], models["half"].config.num_hidden_layers, scaled["half"][kind])
+            cost = LayerCost.fit(layers, full[kind], half_depth, scaled["half"][kind])
         costs.append(cost.with_head(rows, full[kind], cut_rows, scaled["head"][kind]))
     return costs[0], costs[1]

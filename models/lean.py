@@ -28,8 +28,11 @@ from .draft_vocab import draft_vocab
 from .transfer import upload
 
 _ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-# model -> {kind: (key, derived matrices)} (`stacked`, plain or packed), kept between decoders; outside the model so
-# that copies of it (layer surgery deep-copies) neither carry nor share them, and dropped with the model.
+# module -> {kind: (key, derived tensors)}, kept between decoders: a target's stacked layer matrices (`stacked`,
+# plain or packed) under the model, the lm_head's under the lm_head, a drafter layer's fused form under that layer
+# (so a view of the drafter without some layers, models.surgery.without_layers, reuses its kept layers' and
+# head's forms instead of deriving a second set). Outside the modules, so that copies of them (layer surgery
+# deep-copies) neither carry nor share them, and dropped with the module.
 _PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -45,12 +48,13 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def stacked(model: torch.nn.Module, role: str, groups: list[tuple[torch.Tensor, ...]], packed: bool,
+def stacked(owner: torch.nn.Module, role: str, groups: list[tuple[torch.Tensor, ...]], packed: bool,
             rows: torch.Tensor | None = None) -> list[torch.Tensor]:
     """One matrix per group of `groups` (`(out, in)` weights stacked along the output dimension), made once
-    per model and `role` ("layers", "head") and reused while the weights are unchanged: oneDNN-prepacked
-    where `packed`, else `(in, out)` contiguous for `torch.mm`. `rows` (int64 `(R,)`): keep only those output
-    rows of every matrix (a drafter's head over its draft vocabulary, models/draft_vocab.py).
+    per `owner` (the module holding the weights: the model for "layers", the lm_head for "head") and `role`,
+    and reused while the weights are unchanged: oneDNN-prepacked where `packed`, else `(in, out)` contiguous
+    for `torch.mm`. `rows` (int64 `(R,)`): keep only those output rows of every matrix (a drafter's head over
+    its draft vocabulary, models/draft_vocab.py).
 
     Stacking saves where each product's fixed cost is most of it: q, k and v (and gate and up) read the same
     input, so one product of the stacked matrix replaces three (two). Of the two forms, which is faster
@@ -76,7 +80,7 @@ def stacked(model: torch.nn.Module, role: str, groups: list[tuple[torch.Tensor, 
             return [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in matrices]
         return [w.t().contiguous() for w in matrices]
 
-    return _derived(model, (role, packed), flat, build)
+    return _derived(owner, (role, packed), flat, build)
 
 
 def forget_unused(model: torch.nn.Module, packed_from: int | None) -> None:
@@ -95,20 +99,20 @@ def head_product(model: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor
     if ids is None:
         return model.lm_head(hidden)
     weight = model.lm_head.weight
-    rows = _derived(model, ("head rows",), [weight, ids], lambda: weight.detach().index_select(0, ids))
+    rows = _derived(model.lm_head, ("head rows",), [weight, ids], lambda: weight.detach().index_select(0, ids))
     bias = getattr(model.lm_head, "bias", None)
     return F.linear(hidden, rows, None if bias is None else bias.index_select(0, ids))
 
 
-def _derived(model: torch.nn.Module, kind: tuple, weights: list[torch.Tensor], build) -> list:
-    """`build()` (tensors derived from `weights`), cached per (model, kind) while `weights` are unchanged."""
+def _derived(owner: torch.nn.Module, kind: tuple, weights: list[torch.Tensor], build):
+    """`build()` (tensors derived from `weights`), cached per (owner, kind) while `weights` are unchanged."""
     key = tuple((w.data_ptr(), -1 if w.is_inference() else w._version, _sample_sum(w)) for w in weights)
-    cached = _PACKED.setdefault(model, {}).get(kind)
+    cached = _PACKED.setdefault(owner, {}).get(kind)
     if cached is not None and cached[0] == key:
         return cached[1]
     with torch.inference_mode():
         derived = build()
-    _PACKED[model][kind] = (key, derived)
+    _PACKED[owner][kind] = (key, derived)
     return derived
 
 
@@ -279,12 +283,15 @@ class LeanDecoder:
         fused: run the layers in the fused form (`_fused_layer`; docs/speed.md, The drafter's fused form):
             norm weights folded into the products, RoPE's rotated halves made by the q/k/v product, RMS
             norms as vector norms, residual additions inside the products (`addmm`). About half the
-            operations of a layer, on derived copies of its weights on any device (`copies` and
-            `packed_from` then apply to the lm_head only). The same function to float rounding, in another
-            order of operations: for drafters, never for a target whose outputs are checked against ar.
+            operations of a layer, on derived copies of its weights (`packed_from` then applies to the
+            lm_head only); so only where the decoder keeps copies (`copies`): without them (a GPU) the
+            layers read the model's own weights in transformers' order, and device memory holds one
+            drafter (a fused copy of an 8B drafter's layers, 15 GB in bfloat16, would not fit beside a 32B
+            target on an 80 GB card). The same function to float rounding, in another order of
+            operations: for drafters, never for a target whose outputs are checked against ar.
 
-    The matrices are derived from the model's weights when the decoder is built (`stacked`, cached per
-    model): weights changed afterwards are not seen; build a new LeanDecoder.
+    The matrices are derived from the model's weights when the decoder is built (`stacked`, `_fused_layers`;
+    cached per module that holds the weights): weights changed afterwards are not seen; build a new LeanDecoder.
     """
 
     def __init__(self, model: torch.nn.Module, packed_from: int | None = None, copies: bool | None = None,
@@ -308,13 +315,13 @@ class LeanDecoder:
         self.copies = self.device.type == "cpu" if copies is None else copies
         can_pack = self.copies and can_prepack(self.device, self.dtype)
         self.packed_from = packed_from if can_pack else None
-        self.fused = fused
-        self.layers = self._fused_layers(model) if fused else self._layers(model)
+        self.fused = fused and self.copies
+        self.layers = self._fused_layers(model) if self.fused else self._layers(model)
         self._eps = torch.tensor(self.eps, dtype=torch.float32, device=self.device)  # as `_inverse_rms` takes it
         # A drafter with a draft vocabulary computes its head on those rows alone (models/draft_vocab.py).
         self.head_ids = draft_vocab(model)
         head = model.lm_head.weight
-        self.head = _Matrix(None, stacked(model, "head", [(head,)], packed=True, rows=self.head_ids)[0]
+        self.head = _Matrix(None, stacked(model.lm_head, "head", [(head,)], packed=True, rows=self.head_ids)[0]
                             if can_pack else None)
         self.head_packed_from = (1 if self.packed_from == 1 else 2) if can_pack else None
 
@@ -344,11 +351,13 @@ class LeanDecoder:
         return layers
 
     def _fused_layers(self, model: torch.nn.Module) -> list[_FusedLayer]:
-        """The model's layers in the fused form, derived once per model while its weights are unchanged."""
-        modules = list(model.model.layers)
-        weights = [w.detach() for module in modules for w in module.parameters()]  # every tensor folded in: the key
+        """The model's layers in the fused form, each derived once per layer module while its weights are
+        unchanged: models sharing a layer (a view without some layers, models.surgery.without_layers) share
+        its fused form."""
         shape = (self.num_heads, self.num_kv_heads, self.head_dim)
-        return _derived(model, ("fused",), weights, lambda: [_fused_layer(m, *shape) for m in modules])
+        return [_derived(module, ("fused", *shape), [w.detach() for w in module.parameters()],  # every tensor
+                         lambda module=module: _fused_layer(module, *shape))                # folded in: the key
+                for module in model.model.layers]
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -382,7 +391,7 @@ class LeanDecoder:
         if not self.copies:
             return head_product(self.model, hidden, self.head_ids)
         if self.head.plain is None:  # made on first use: a target's one-token steps, or no prepacking here
-            plain = stacked(self.model, "head", [(self.model.lm_head.weight,)], packed=False, rows=self.head_ids)[0]
+            plain = stacked(self.model.lm_head, "head", [(self.model.lm_head.weight,)], packed=False, rows=self.head_ids)[0]
             self.head = self.head._replace(plain=plain)
         return self.head(hidden, None)
 

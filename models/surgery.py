@@ -3,8 +3,13 @@
 Three things must agree after a removal (docs/design.md, Layer surgery): `num_hidden_layers`, every per-layer list
 in the config (`layer_types`, ...), and the `layer_idx` of every attention module, which selects the
 layer's slot in the KV cache. A stale `layer_idx` silently shares a cache slot between layers.
+
+`remove_layers` returns a new drafter (a copy: export, a pruning step, a heal that trains it);
+`without_layers` lends a view of the drafter without some layers that shares every tensor (a scoring
+round's ablations: one drafter's memory however many layers it scores).
 """
 
+import contextlib
 import copy
 
 import torch
@@ -37,16 +42,61 @@ def remove_layers(model: torch.nn.Module, indices) -> torch.nn.Module:
     updated, and `original_layer_indices` keeps the indices the surviving layers had in the unpruned
     model, so pruning a pruned model still reports original indices. The input model is not modified.
     """
-    config = model.config
+    keep = _kept(model.config, indices)
+    original = original_layers(model.config)
+    return _rebuilt(model, [(i, 1.0) for i in keep], [original[i] for i in keep])
+
+
+@contextlib.contextmanager
+def without_layers(model: torch.nn.Module, indices):
+    """Within the block, a view of `model` without the decoder layers at `indices` (as `remove_layers`
+    numbers them) that shares every tensor and submodule of `model`: no weight is copied.
+
+    The view is a distinct model object (its own config, with the per-layer lists, `num_hidden_layers`
+    and `original_layer_indices` of the layers it keeps, and its own layer list), so caches keyed by the
+    model (a weights digest, derived forms) never mix it with `model`; what is derived from one kept
+    layer's weights is shared with `model` (models.lean caches it per layer). It computes what
+    `remove_layers(model, indices)` computes, bit for bit. For the duration the kept layers' `layer_idx`
+    are their positions in the view, restored on leaving: run the view, not `model`, inside the block
+    (a transformers forward of `model` there would read stale cache slots; its lean forward would not).
+    """
+    keep = _kept(model.config, indices)
+    original = original_layers(model.config)
+    config = copy.deepcopy(model.config)
+    _renumbered_config(model.config, config, keep, [original[i] for i in keep])
+    layers = torch.nn.ModuleList([model.model.layers[i] for i in keep])
+    view = _shallow(model, config, model=_shallow(model.model, config, layers=layers))
+    saved = [(module, module.layer_idx) for layer in layers for module in layer.modules()
+             if hasattr(module, "layer_idx")]
+    try:
+        _renumber(layers)
+        yield view
+    finally:
+        for module, index in saved:
+            module.layer_idx = index
+
+
+def _shallow(module: torch.nn.Module, config, **children: torch.nn.Module) -> torch.nn.Module:
+    """A new module object sharing `module`'s parameters, buffers and submodules but its own tables of
+    them (so `children`, set on it, replace submodules of the new object only) and `config`."""
+    view = copy.copy(module)  # shares __dict__'s values: the tables are replaced before anything is set
+    for table in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+        view.__dict__[table] = copy.copy(module.__dict__[table])
+    view.config = config
+    for name, child in children.items():
+        setattr(view, name, child)
+    return view
+
+
+def _kept(config, indices) -> list[int]:
+    """The current indices of the layers left after removing `indices`, checked (ConfigError)."""
     n = config.num_hidden_layers
     remove = sorted(set(int(i) for i in indices))
     bad = [i for i in remove if not 0 <= i < n]
     if bad:
         raise ConfigError(f"layer index {bad[0]} is out of range; this drafter has layers 0..{n - 1}")
     _check_one_remains(n, len(remove))
-    keep = [i for i in range(n) if i not in remove]
-    original = original_layers(config)
-    return _rebuilt(model, [(i, 1.0) for i in keep], [original[i] for i in keep])
+    return [i for i in range(n) if i not in remove]
 
 
 def current_indices(config, original) -> list[int]:
@@ -93,14 +143,9 @@ def split_layers(model: torch.nn.Module, replace, sources) -> torch.nn.Module:
 def _rebuilt(model: torch.nn.Module, order: list[tuple[int, float]], provenance: list[int]) -> torch.nn.Module:
     """A copy of `model` whose layers are `order`'s (source index, output scale) in turn (a source listed
     twice is copied), with config lists, `layer_idx` and `original_layer_indices` (`provenance`) in sync."""
-    config = model.config
     new_model = copy.deepcopy(model)
     new_config = new_model.config  # deepcopy keeps every submodule's reference pointing at this object
-    for key in per_layer_config_keys(config):
-        values = getattr(config, key)
-        setattr(new_config, key, type(values)(values[i] for i, _ in order))
-    setattr(new_config, PROVENANCE_KEY, provenance)
-    new_config.num_hidden_layers = len(order)
+    _renumbered_config(model.config, new_config, [i for i, _ in order], provenance)
 
     layers, used, rebuilt = new_model.model.layers, set(), []
     for i, _ in order:  # every copy is taken before any layer is scaled
@@ -112,10 +157,25 @@ def _rebuilt(model: torch.nn.Module, order: list[tuple[int, float]], provenance:
                 layer.self_attn.o_proj.weight.mul_(scale)
                 layer.mlp.down_proj.weight.mul_(scale)
     new_model.model.layers = torch.nn.ModuleList(rebuilt)
-    for new_idx, layer in enumerate(new_model.model.layers):
+    _renumber(new_model.model.layers)
+    return new_model
+
+
+def _renumbered_config(config, new_config, sources: list[int], provenance: list[int]) -> None:
+    """Set on `new_config` (a copy of `config`) the per-layer lists of the layers `sources` of `config` in
+    turn, their count and their `original_layer_indices` (`provenance`); validated where it is a drafter's."""
+    for key in per_layer_config_keys(config):
+        values = getattr(config, key)
+        setattr(new_config, key, type(values)(values[i] for i in sources))
+    setattr(new_config, PROVENANCE_KEY, provenance)
+    new_config.num_hidden_layers = len(sources)
+    if hasattr(new_config, "block_size"):
+        validate_config(new_config)
+
+
+def _renumber(layers: torch.nn.ModuleList) -> None:
+    """Set the `layer_idx` of every submodule of each layer to the layer's position in `layers`."""
+    for new_idx, layer in enumerate(layers):
         for module in layer.modules():
             if hasattr(module, "layer_idx"):
                 module.layer_idx = new_idx
-    if hasattr(new_config, "block_size"):
-        validate_config(new_config)
-    return new_model

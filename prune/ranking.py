@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from models.drafter_config import original_layers
-from models.surgery import remove_layers
+from models.surgery import without_layers
 
 from .config import ScoreConfig
 from .criteria import CRITERIA
@@ -173,8 +173,12 @@ def loss_without_each_layer(drafter, inputs: RankInputs) -> list[float]:
     def mean_loss(model) -> float:
         return sum(float(drafter_loss(model, batch).total) for batch in batches) / len(batches)
 
+    def without(layer: int) -> float:
+        with without_layers(drafter, [layer]) as view:  # shares the drafter's tensors: no copy per layer
+            return mean_loss(view)
+
     base = mean_loss(drafter)
-    return [mean_loss(remove_layers(drafter, [layer])) - base for layer in range(config.num_hidden_layers)]
+    return [without(layer) - base for layer in range(config.num_hidden_layers)]
 
 
 def seeded_order(drafter, seed: int) -> list[float]:

@@ -2,9 +2,11 @@
 
 A layer's score compares the drafter with and without it, both measured by a real speculative decoder
 (ScoreConfig.decoder: async by default) on calibration prompts; the criterion (prune.criteria) says how: by
-default tau(current drafter) - tau(current drafter without that layer). With `verify="replay"` the target's
-greedy trajectory per prompt is recorded once (or read from a file of its recorded outputs: prune.trajectories
-says where they come from), and every evaluation after that costs drafter passes only (prompts are batched
+default tau(current drafter) - tau(current drafter without that layer). The drafter without a layer is a view
+sharing the drafter's tensors and their derived fast-path forms (models.surgery.without_layers), so a round
+holds one drafter's weights however many layers it scores. With `verify="replay"` the target's greedy
+trajectory per prompt is recorded once (or read from a file of its recorded outputs: prune.trajectories says
+where they come from), and every evaluation after that costs drafter passes only (prompts are batched
 into one drafter pass); `verify="live"` runs the target in every evaluation. A paired bootstrap over
 prompts gives a confidence interval per layer, so a too-small calibration set shows as wide intervals.
 
@@ -34,7 +36,7 @@ from models.draft_vocab import head_rows
 from models.drafter_config import original_layers
 from models.errors import ConfigError
 from models.faults import fault_point
-from models.surgery import remove_layers
+from models.surgery import without_layers
 
 from .cache import cached_json, loaded_target, score_key
 from .config import DEFAULT_DECODER, ScoreConfig
@@ -408,13 +410,12 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
     def score_fully(layer: int, first: tuple[Evaluation, LayerScore] | None = None) -> None:
         """Score `layer` on every prompt: pooling its first-pass evaluation `first` with the other prompts when
         it has one, else on all of them."""
-        reduced = remove_layers(drafter, [layer])
-        if first is None:
-            evaluation, ms = run(reduced), pass_ms(reduced)
-        else:
-            evaluation = Evaluation.merge(first[0], run(reduced, slice(screen, None)))
-            ms = (first[1].draft_pass_ms, first[1].packed_pass_ms)
-        del reduced
+        with without_layers(drafter, [layer]) as reduced:
+            if first is None:
+                evaluation, ms = run(reduced), pass_ms(reduced)
+            else:
+                evaluation = Evaluation.merge(first[0], run(reduced, slice(screen, None)))
+                ms = (first[1].draft_pass_ms, first[1].packed_pass_ms)
         journal.add_layer(_layer_score(layer, original[layer], base, evaluation, ms, times, base_speedup, config,
                                        prompts=len(prompts)))
         fault_point("score-layer")
@@ -452,11 +453,10 @@ def score_layers(drafter, prompts: list[list[int]], config: ScoreConfig, target=
                 first_pass[layer] = journal.screened.get(layer)
                 done(layer, first_pass[layer][1] if first_pass[layer] else journal.layers[layer])
                 continue
-            reduced = remove_layers(drafter, [layer])
-            evaluation = run(reduced, first)
-            score = _layer_score(layer, original[layer], screen_base, evaluation, pass_ms(reduced), times,
-                                 screen_speedup, config, prompts=len(evaluation.tau_per_prompt))
-            del reduced
+            with without_layers(drafter, [layer]) as reduced:
+                evaluation, ms = run(reduced, first), pass_ms(reduced)
+            score = _layer_score(layer, original[layer], screen_base, evaluation, ms, times, screen_speedup, config,
+                                 prompts=len(evaluation.tau_per_prompt))
             if screen:
                 journal.add_screened(layer, evaluation, score)
                 first_pass[layer] = (evaluation, score)

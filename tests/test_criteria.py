@@ -138,8 +138,8 @@ def test_last_removes_from_the_top_in_order(campaign, tmp_path):
 
 def removals(monkeypatch) -> list:
     """Record the layers every reduced drafter of a scoring round is built without."""
-    removed, real = [], scoring.remove_layers
-    monkeypatch.setattr(scoring, "remove_layers", lambda model, layers: removed.append(list(layers)) or
+    removed, real = [], scoring.without_layers
+    monkeypatch.setattr(scoring, "without_layers", lambda model, layers: removed.append(list(layers)) or
                         real(model, layers))
     return removed
 

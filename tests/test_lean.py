@@ -343,3 +343,43 @@ def test_decoders_of_one_model_share_its_derived_matrices():
     for a, b in zip(first.layers, second.layers):
         assert a.qkv.plain is b.qkv.plain and a.down.packed is b.down.packed
     assert first.head.packed is second.head.packed
+
+
+@torch.inference_mode()
+def test_a_view_without_layers_reuses_the_fused_forms_and_head_of_the_drafter():
+    """A drafter's fused layers and its head are derived per layer and per lm_head, not per model: a view of the
+    drafter without some layers (models.surgery.without_layers, scoring's ablations) derives nothing, and
+    computes what a copy without them computes, bit for bit."""
+    from models.surgery import remove_layers, without_layers
+
+    model = build_tiny_drafter(num_hidden_layers=4, block_size=4)
+    ids, positions = torch.tensor([prompt_ids(9, seed=4)]), torch.arange(9)[None]
+
+    def logits(lean):
+        return lean.logits(lean.forward(ids, positions, None, lean.new_cache(1)))
+
+    full = LeanDecoder(model, fused=True)
+    for removed in ([1], [0, 3], [1]):
+        kept = [i for i in range(4) if i not in removed]
+        with without_layers(model, removed) as view:
+            lean = LeanDecoder(view, fused=True)
+            assert all(a is full.layers[i] for a, i in zip(lean.layers, kept, strict=True))
+            assert lean.head.packed is full.head.packed
+            assert torch.equal(logits(lean), logits(LeanDecoder(remove_layers(model, removed), fused=True)))
+    assert all(a is b for a, b in zip(LeanDecoder(model, fused=True).layers, full.layers, strict=True))
+
+
+@torch.inference_mode()
+def test_without_copies_a_drafter_runs_its_own_weights_not_a_fused_copy():
+    """Where the lean forward keeps no derived copies (a GPU), a drafter asked for the fused form runs its own
+    weights in transformers' order instead: device memory holds one drafter."""
+    model = build_tiny_drafter(block_size=4)
+    ids, positions = torch.tensor([prompt_ids(9, seed=6)]), torch.arange(9)[None]
+    lean = LeanDecoder(model, copies=False, fused=True)
+    assert not lean.fused and all(layer not in models.lean._PACKED for layer in model.model.layers)
+    weights = {p.data_ptr() for p in model.parameters()}
+    assert all(w.data_ptr() in weights for layer in lean.layers for w, _ in layer.qkv.parts + layer.down.parts)
+    hidden = lean.forward(ids, positions, None, lean.new_cache(1))
+    want = model.model(input_ids=ids, position_ids=positions).last_hidden_state
+    torch.testing.assert_close(hidden, want, atol=1e-5, rtol=1e-5)
+    assert LeanDecoder(model, fused=True).fused  # with copies (a CPU) the fused form

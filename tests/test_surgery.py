@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from models.drafter import load_drafter, save_drafter, validate_checkpoint
 from models.errors import ConfigError
-from models.surgery import remove_layers
+from models.surgery import remove_layers, without_layers
 
 N_LAYERS = 36
 REMOVED = (0, 17, 35)
@@ -198,6 +198,49 @@ def test_non_per_layer_lists_are_left_alone(make_tiny_drafter):
     pruned = remove_layers(model, [0])
     assert pruned.config.num_hidden_layers == 1
     assert pruned.config.eos_token_id == [5, 6]
+
+
+# ----------------------------------------------------------------------------------------------------
+# A view without layers (scoring's ablations)
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_a_view_without_layers_shares_every_tensor_and_is_the_copy_bit_for_bit(original, original_snapshot,
+                                                                                pruned, ids):
+    from prune.cache import fingerprint
+
+    digest = fingerprint(original)
+    weights = {t.untyped_storage().data_ptr() for t in original.state_dict().values()}
+    with without_layers(original, REMOVED) as view:
+        assert view is not original and view.config is not original.config
+        assert {t.untyped_storage().data_ptr() for t in view.state_dict().values()} <= weights
+        assert view.state_dict().keys() == pruned.state_dict().keys()
+        assert view.config.to_dict() == pruned.config.to_dict()
+        assert layer_indices_of_modules(view) == layer_indices_of_modules(pruned)
+        assert fingerprint(view) == fingerprint(pruned) != digest  # a cache key names the layers it holds
+        assert torch.equal(view(ids).logits, pruned(ids).logits)
+        assert_cached_equals_uncached(view, ids, DynamicCache(config=view.config))
+        assert len(original.model.layers) == original.config.num_hidden_layers == N_LAYERS
+    assert [layer.self_attn.layer_idx for layer in original.model.layers] == original_snapshot["layer_idx"]
+    assert original.config.to_dict() == original_snapshot["config"]
+    assert fingerprint(original) == digest
+    assert_cached_equals_uncached(original, ids, DynamicCache())
+
+
+def test_a_view_slices_per_layer_lists_and_restores_the_drafter_after_an_error(make_tiny_drafter, ids):
+    types = ["full_attention", "sliding_attention", "full_attention", "full_attention", "sliding_attention", "full_attention"]
+    model = make_tiny_drafter(num_hidden_layers=6, layer_types=types, use_sliding_window=True, sliding_window=3)
+    copy = remove_layers(model, [1, 3])
+    with without_layers(model, [1, 3]) as view:
+        assert view.config.layer_types == copy.config.layer_types and view.config.original_layer_indices == [0, 2, 4, 5]
+        assert torch.equal(view(ids).logits, copy(ids).logits)
+        assert_cached_equals_uncached(view, ids, DynamicCache(config=view.config))
+    with pytest.raises(KeyboardInterrupt), without_layers(model, [0]):
+        raise KeyboardInterrupt
+    assert layer_indices_of_modules(model) == [[i] * len(layer_indices_of_modules(model)[0]) for i in range(6)]
+    assert model.config.layer_types == types and len(model.model.layers) == 6
+    with pytest.raises(ConfigError, match="out of range"), without_layers(model, [6]):
+        pass
 
 
 # ----------------------------------------------------------------------------------------------------
