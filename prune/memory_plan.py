@@ -12,9 +12,9 @@ Each phase is a sum of parts at its fullest moment (`MemoryPlan.parts`), in byte
                       after this process made its CUDA context.
   drafter_weights     P_d b_d per drafter copy, in the drafter's compute dtype (models.precision.drafter_dtype:
                       float32 on a CPU, the target's dtype elsewhere).
-  drafter_fast_path   the fused form of models/lean.py (`_fused_layer`), per copy, on every device (the drafter's
-                      DraftEngine derives it on a GPU too): each layer's products again plus the rotated q/k rows,
-                      H (q + kv) more; on a CPU where oneDNN prepacks the dtype (`can_prepack`) the lm_head prepacked,
+  drafter_fast_path   on a CPU only (a GPU's lean forward runs the drafter's own weights: models/lean.py, `copies`):
+                      the fused form (`_fused_layer`), per copy, each layer's products again plus the rotated q/k
+                      rows, H (q + kv) more; where oneDNN prepacks the dtype (`can_prepack`) the lm_head prepacked,
                       V H more.
   target_weights      P_t b_t.
   target_fast_path    on a CPU only (a GPU's products read the weights in place): `target_runner` times its products
@@ -186,8 +186,8 @@ def plan_memory(drafter_config, target_config=None, device: str = "cpu", dtype: 
     block = drafter_config.block_size
     on_cpu = kind == "cpu"
 
-    fast = drafter.layers * drafter.fused_layer + (drafter.embedding if on_cpu and can_prepack(
-        torch.device("cpu"), d_dtype) else 0)
+    fast = (drafter.layers * drafter.fused_layer + (drafter.embedding if can_prepack(torch.device("cpu"), d_dtype)
+                                                     else 0)) if on_cpu else 0
     drafter_weights, drafter_fast = drafter.parameters * d_bytes, fast * d_bytes
     context = work.prompt_tokens + work.max_new_tokens + block
     rows = work.batch_size
