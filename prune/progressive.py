@@ -46,7 +46,7 @@ from .scoring import (Evaluation, ScoreReport, cached_scores, carried_scores, ev
                       retention_error, round_evaluations)
 from .state import (BaseRecord, Host, RunState, StepRecord, Timing, campaign_timing, has_run, judged_on,
                     load_state, save_state)
-from .trajectories import as_source
+from .trajectories import HasSource
 from .training.loss import Teacher
 from .head_steps import head_step
 from .vocab import next_head_size
@@ -55,7 +55,7 @@ _silent = functools.partial(progress_bar, enabled=False)
 
 
 @dataclass
-class Campaign:
+class Campaign(HasSource):
     """What a campaign prunes and measures with.
 
     Attributes:
@@ -90,14 +90,6 @@ class Campaign:
     check_trajectories: list | None = None
     heal_data: list[str] | None = None
     vocab_ranking: object = None
-
-    def __post_init__(self):
-        self.source = as_source(self.source)
-
-    @property
-    def target(self):
-        """The loaded target model (None where the source has none)."""
-        return self.source.target if self.source is not None else None
 
     @functools.cached_property
     def teacher(self) -> Teacher:

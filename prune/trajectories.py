@@ -231,6 +231,19 @@ def as_source(target) -> TrajectorySource | None:
     return LiveTarget(target) if isinstance(target, torch.nn.Module) else target
 
 
+class HasSource:
+    """Mixin of a dataclass with a `source` field (a TrajectorySource, or a loaded target that becomes its live
+    source): the loaded target, where the source has one, as `target`."""
+
+    def __post_init__(self):
+        self.source = as_source(self.source)
+
+    @property
+    def target(self):
+        """The loaded target model (None where the source has none)."""
+        return self.source.target if self.source is not None else None
+
+
 def _record(record, where: str, line: int, number: int) -> Recorded:
     """A Recorded of one JSON record of a recorded file; a DataError naming `where` unless it is one."""
     if not isinstance(record, dict) or not _token_ids(record.get(OUTPUT_FIELD), empty=True):

@@ -49,7 +49,7 @@ from prune.export import REPORT_NAME, verify_export
 from prune.progressive import Campaign, RunHooks, config_record, run_pruning
 from prune.scoring import Evaluation, evaluate
 from prune.state import RunState, StepRecord, Timing, campaign_timing
-from prune.trajectories import as_source
+from prune.trajectories import HasSource
 
 from ._optuna import quiet_optuna
 from .config import SweepConfig
@@ -57,7 +57,7 @@ from .space import HEAL_NAMES, VOCAB_NAMES, SearchSpace
 
 
 @dataclass
-class SweepData:
+class SweepData(HasSource):
     """What every trial of one worker shares, loaded once: the pair, prompts and trajectories, heal data.
 
     `source`: where the target's trajectories come from (prune.trajectories.TrajectorySource: the live target, or
@@ -86,14 +86,6 @@ class SweepData:
     cache: Path | None = None
     heal_data: list[str] | None = None
     vocab_ranking: object = None
-
-    def __post_init__(self):
-        self.source = as_source(self.source)
-
-    @property
-    def target(self):
-        """The loaded target model (None where the source has none)."""
-        return self.source.target if self.source is not None else None
 
 
 def campaign_config(values: dict, config: SweepConfig) -> tuple[RunConfig, int | None]:
