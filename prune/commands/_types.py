@@ -51,26 +51,25 @@ positive_fraction = _bounded(float, "a fraction in (0, 1]", low=0, high=1, low_o
 fraction = _bounded(float, "a fraction in [0, 1]", low=0, high=1)
 
 
-def sizes(text: str) -> tuple[int, ...]:
-    """Distinct positive sizes separated by commas ("8192,4096"), largest first."""
+def _distinct_ints(text: str, what: str, low: int, example: str) -> tuple[int, ...]:
+    """Distinct integers >= `low` separated by commas, in the given order; a usage error naming `what`."""
     try:
         values = tuple(int(part) for part in text.split(","))
     except ValueError:
-        _reject(f"got {text!r}; give sizes separated by commas, e.g. 8192,4096")
-    if min(values) < 1 or len(set(values)) != len(values):
-        _reject(f"got {text}; give distinct sizes >= 1")
-    return tuple(sorted(values, reverse=True))
+        _reject(f"got {text!r}; give {what} separated by commas, e.g. {example}")
+    if min(values) < low or len(set(values)) != len(values):
+        _reject(f"got {text}; give distinct {what} >= {low}" + (", e.g. " + example if low == 0 else ""))
+    return values
+
+
+def sizes(text: str) -> tuple[int, ...]:
+    """Distinct positive sizes separated by commas ("8192,4096"), largest first."""
+    return tuple(sorted(_distinct_ints(text, "sizes", 1, "8192,4096"), reverse=True))
 
 
 def layer_indices(text: str) -> tuple[int, ...]:
     """Distinct 0-based layer indices separated by commas ("3,2,8")."""
-    try:
-        values = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        _reject(f"got {text!r}; give layer indices separated by commas, e.g. 3,2,8")
-    if min(values) < 0 or len(set(values)) != len(values):
-        _reject(f"got {text}; give distinct layer indices >= 0, e.g. 3,2,8")
-    return values
+    return _distinct_ints(text, "layer indices", 0, "3,2,8")
 
 
 def block_size(text: str) -> int:
