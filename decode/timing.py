@@ -307,21 +307,24 @@ def _line(ms_by_width: dict[int, float]) -> tuple[float, float]:
 HEAD_PROBE_ROWS = 2048
 
 
+@contextlib.contextmanager
 def head_probe(drafter):
-    """A copy of `drafter` whose head computes `HEAD_PROBE_ROWS` of its rows (a quarter where it has fewer), and
-    that row count; which ids does not matter to the time."""
-    from models.draft_vocab import cut_ids, draft_vocab, head_rows, with_draft_vocab
+    """Within the block, (a view of `drafter` whose head computes `HEAD_PROBE_ROWS` of its rows, a quarter where
+    it has fewer; that row count). The view shares every tensor (models.surgery.without_layers), so timing
+    the head costs no copy of the drafter; which ids does not matter to the time."""
+    from models.draft_vocab import cut_ids, draft_vocab, head_rows, set_draft_vocab
 
     rows = max(1, min(HEAD_PROBE_ROWS, head_rows(drafter) // 4))
     ids = cut_ids(draft_vocab(drafter), torch.zeros(0, dtype=torch.int64), rows, drafter.config)
-    return with_draft_vocab(drafter, ids), rows
+    with without_layers(drafter, []) as view:
+        yield set_draft_vocab(view, ids), rows
 
 
 def drafter_layer_costs(drafter, packed_budget: int, repeats: int = 5, full: tuple[float, float] | None = None,
                         target=None, context: int = 64) -> tuple[LayerCost, LayerCost]:
     """(sync draft, packed) pass time as affine functions of depth and head rows, fitted on `drafter`, on a view
     of it without its second half of layers (models.surgery.without_layers: no weight copied) and on a copy
-    whose head computes a few of its rows (`head_probe`; decode.cost.LayerCost).
+    of it whose head computes a few of its rows (`head_probe`; decode.cost.LayerCost).
 
     With `target`, both depths are timed in one interleaved measurement, each pass right after an untimed
     verify pass of width B/2 as in decoding (measure_pass_times does the same): a small drafter timed
@@ -336,9 +339,9 @@ def drafter_layer_costs(drafter, packed_budget: int, repeats: int = 5, full: tup
     pinned = pinned_times()
     if pinned is not None:
         return pinned.layer_costs(rows)
-    cut, cut_rows = head_probe(drafter)
-    models = {"full": drafter, "head": cut}
     with contextlib.ExitStack() as views:
+        cut, cut_rows = views.enter_context(head_probe(drafter))
+        models = {"full": drafter, "head": cut}
         if layers >= 2:  # the view keeps the first layers at their own indices: the drafter runs beside it
             models["half"] = views.enter_context(without_layers(drafter, range(layers // 2, layers)))
         ms, measured = _probe_ms(models, full, packed_budget, repeats, context, target)
