@@ -75,11 +75,24 @@ def draft_vocab(model: torch.nn.Module) -> torch.Tensor | None:
 
 
 def head_rows(model_or_config) -> int:
-    """Rows of the head a drafter's passes compute: its draft vocabulary's size, else its whole vocabulary."""
+    """Rows of the head a drafter's passes compute: its draft vocabulary's size, else its proposable ids (the
+    rows below draft_vocab_size; see `head_selection`)."""
     config = getattr(model_or_config, "config", model_or_config)
-    named = config.get(KEY) if isinstance(config, dict) else getattr(config, KEY, None)
-    vocab = config["vocab_size"] if isinstance(config, dict) else config.vocab_size
-    return int(named["tokens"]) if named else int(vocab)
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    named = get(KEY)
+    return int(named["tokens"]) if named else int(get("draft_vocab_size") or get("vocab_size"))
+
+
+def head_selection(model: torch.nn.Module) -> torch.Tensor | int | None:
+    """The rows of `model.lm_head` its passes compute: the draft vocabulary's ids (int64 `(K,)`; column r of the
+    logits is token `ids[r]`), else the first draft_vocab_size rows where rows follow them (padding rows, never
+    proposed: a prefix keeps column r = token r and is a view of the weights), else None (every row: a target,
+    or a drafter whose every row is proposable)."""
+    ids = draft_vocab(model)
+    if ids is not None:
+        return ids
+    limit = draft_vocab_limit(model.config)
+    return limit if limit < model.config.vocab_size else None
 
 
 def set_draft_vocab(model: torch.nn.Module, ids: torch.Tensor | None, source: str | None = None,

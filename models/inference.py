@@ -17,7 +17,7 @@ from transformers import DynamicCache
 from .cache import DynamicKV
 from .drafter_config import draft_vocab_limit
 from .errors import ConfigError
-from .draft_vocab import draft_vocab
+from .draft_vocab import draft_vocab, head_selection
 from .lean import LeanDecoder, can_prepack, forget_unused, head_product
 from .masks import BatchedLayout
 
@@ -54,8 +54,8 @@ def masked_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 def draft_logits(model: torch.nn.Module, hidden: torch.Tensor, runner) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The drafter's float32 logits `(..., R)` for `hidden` `(..., hidden_size)` over the ids it may propose, as
-    its runner's head computes them, and the ids of those columns: (logits over the whole head with the mask
-    id and padding rows at -inf, None), or, with a draft vocabulary, (logits over its K rows alone, its ids
+    its runner's head computes them, and the ids of those columns: (logits over the first R ids, the mask id
+    and any padding rows at -inf, None), or, with a draft vocabulary, (logits over its K rows alone, its ids
     int64 `(K,)`; every one proposable)."""
     logits = runner.logits(hidden).float()
     ids = getattr(runner, "head_ids", None)
@@ -63,8 +63,10 @@ def draft_logits(model: torch.nn.Module, hidden: torch.Tensor, runner) -> tuple[
 
 
 def _mask_unproposable(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
-    """Full-width `logits` (in place) with the mask id and the padding rows at -inf."""
-    logits[..., model.config.mask_token_id] = float("-inf")
+    """`logits` (in place) over the first R ids (the whole head, or its proposable prefix) with the mask id and
+    the padding rows among them at -inf."""
+    if model.config.mask_token_id < logits.shape[-1]:
+        logits[..., model.config.mask_token_id] = float("-inf")
     limit = draft_vocab_limit(model.config)
     if limit < logits.shape[-1]:
         logits[..., limit:] = float("-inf")
@@ -79,7 +81,8 @@ class TransformersDecoder:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.head_ids = draft_vocab(model)  # the head's rows (None: all), as LeanDecoder.head_ids
+        self.head_rows = head_selection(model)  # as LeanDecoder's: the rows computed, and the map of columns to ids
+        self.head_ids = self.head_rows if isinstance(self.head_rows, torch.Tensor) else None
 
     def new_cache(self, rows: int, capacity: int = 0) -> DynamicKV:
         return DynamicKV(DynamicCache(config=self.model.config))
@@ -94,9 +97,9 @@ class TransformersDecoder:
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's logits for `hidden` `(..., hidden_size)` over its head's rows (`head_ids`; final soft-capping
+        """The model's logits for `hidden` `(..., hidden_size)` over its head's rows (`head_rows`; final soft-capping
         included where set)."""
-        logits = head_product(self.model, hidden, self.head_ids)
+        logits = head_product(self.model, hidden, self.head_rows)
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import StaticKV
-from .draft_vocab import draft_vocab
+from .draft_vocab import head_selection
 from .transfer import upload
 
 _ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -49,12 +49,12 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def stacked(owner: torch.nn.Module, role: str, groups: list[tuple[torch.Tensor, ...]], packed: bool,
-            rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+            rows: torch.Tensor | int | None = None) -> list[torch.Tensor]:
     """One matrix per group of `groups` (`(out, in)` weights stacked along the output dimension), made once
     per `owner` (the module holding the weights: the model for "layers", the lm_head for "head") and `role`,
     and reused while the weights are unchanged: oneDNN-prepacked where `packed`, else `(in, out)` contiguous
-    for `torch.mm`. `rows` (int64 `(R,)`): keep only those output rows of every matrix (a drafter's head over
-    its draft vocabulary, models/draft_vocab.py).
+    for `torch.mm`. `rows`: keep only those output rows of every matrix, int64 `(R,)` ids or an int R for the
+    first R (a drafter's head over its draft vocabulary or its proposable ids, models.draft_vocab.head_selection).
 
     Stacking saves where each product's fixed cost is most of it: q, k and v (and gate and up) read the same
     input, so one product of the stacked matrix replaces three (two). Of the two forms, which is faster
@@ -70,17 +70,24 @@ def stacked(owner: torch.nn.Module, role: str, groups: list[tuple[torch.Tensor, 
     through `.data`, which moves neither of the first two; a merge changes nearly every value, so the sample
     sees it) and rebuilt when any weight changes; they double the weights' memory per form.
     """
-    flat = [w for group in groups for w in group] + ([rows] if rows is not None else [])
+    flat = [w for group in groups for w in group] + ([rows] if isinstance(rows, torch.Tensor) else [])
 
     def build():
-        matrices = [torch.cat(group) if len(group) > 1 else group[0] for group in groups]
-        if rows is not None:
-            matrices = [w.index_select(0, rows) for w in matrices]
+        matrices = [_rows_of(torch.cat(group) if len(group) > 1 else group[0], rows) for group in groups]
         if packed:
-            return [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in matrices]
+            return [torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None) for w in matrices]
         return [w.t().contiguous() for w in matrices]
 
+    if isinstance(rows, int):  # a prefix is part of the kind: the weights alone do not say it
+        role = f"{role}[:{rows}]"
     return _derived(owner, (role, packed), flat, build)
+
+
+def _rows_of(weight: torch.Tensor, rows: torch.Tensor | int | None) -> torch.Tensor:
+    """The output rows `rows` of `weight` `(out, in)`: gathered ids, a prefix (a view), or every row."""
+    if rows is None:
+        return weight
+    return weight[:rows] if isinstance(rows, int) else weight.index_select(0, rows)
 
 
 def forget_unused(model: torch.nn.Module, packed_from: int | None) -> None:
@@ -93,15 +100,18 @@ def forget_unused(model: torch.nn.Module, packed_from: int | None) -> None:
         derived.pop(("layers", True), None)
 
 
-def head_product(model: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
-    """`model.lm_head(hidden)` `(..., hidden_size)` -> `(..., R)` on the head rows `ids` (None: every row), the
-    weights read in place: those rows are gathered once per model while the weights are unchanged."""
-    if ids is None:
+def head_product(model: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor | int | None) -> torch.Tensor:
+    """`model.lm_head(hidden)` `(..., hidden_size)` -> `(..., R)` on the head rows `rows` (ids, the first R, or
+    None: every row; models.draft_vocab.head_selection), the weights read in place: a prefix is a view, ids
+    are gathered once per model while the weights are unchanged."""
+    if rows is None:
         return model.lm_head(hidden)
-    weight = model.lm_head.weight
-    rows = _derived(model.lm_head, ("head rows",), [weight, ids], lambda: weight.detach().index_select(0, ids))
-    bias = getattr(model.lm_head, "bias", None)
-    return F.linear(hidden, rows, None if bias is None else bias.index_select(0, ids))
+    weight, bias = model.lm_head.weight, getattr(model.lm_head, "bias", None)
+    if isinstance(rows, torch.Tensor):
+        weight = _derived(model.lm_head, ("head rows",), [weight, rows], lambda: weight.detach().index_select(0, rows))
+    else:
+        weight = weight[:rows]
+    return F.linear(hidden, weight, None if bias is None else _rows_of(bias, rows))
 
 
 def _derived(owner: torch.nn.Module, kind: tuple, weights: list[torch.Tensor], build):
@@ -318,10 +328,12 @@ class LeanDecoder:
         self.fused = fused and self.copies
         self.layers = self._fused_layers(model) if self.fused else self._layers(model)
         self._eps = torch.tensor(self.eps, dtype=torch.float32, device=self.device)  # as `_inverse_rms` takes it
-        # A drafter with a draft vocabulary computes its head on those rows alone (models/draft_vocab.py).
-        self.head_ids = draft_vocab(model)
+        # A drafter computes its head on the rows it may propose alone: its draft vocabulary, or the ids below
+        # draft_vocab_size (models.draft_vocab.head_selection); `head_ids` maps columns to ids (None: column = id).
+        self.head_rows = head_selection(model)
+        self.head_ids = self.head_rows if isinstance(self.head_rows, torch.Tensor) else None
         head = model.lm_head.weight
-        self.head = _Matrix(None, stacked(model.lm_head, "head", [(head,)], packed=True, rows=self.head_ids)[0]
+        self.head = _Matrix(None, stacked(model.lm_head, "head", [(head,)], packed=True, rows=self.head_rows)[0]
                             if can_pack else None)
         self.head_packed_from = (1 if self.packed_from == 1 else 2) if can_pack else None
 
@@ -383,15 +395,17 @@ class LeanDecoder:
         return StaticKV(self.num_layers, rows, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's logits for `hidden` `(..., hidden_size)` -> `(..., R)` over its head's rows: every row, or
-        a drafter's draft vocabulary (column r is token `head_ids[r]`)."""
+        """The model's logits for `hidden` `(..., hidden_size)` -> `(..., R)` over its head's rows (`head_rows`):
+        every row, a drafter's proposable prefix (column r is token r), or its draft vocabulary (column r is
+        token `head_ids[r]`)."""
         rows = hidden.numel() // hidden.shape[-1]
         if self.head.packed is not None and rows >= self.head_packed_from:
             return self.head(hidden.contiguous(), self.head_packed_from)
         if not self.copies:
-            return head_product(self.model, hidden, self.head_ids)
+            return head_product(self.model, hidden, self.head_rows)
         if self.head.plain is None:  # made on first use: a target's one-token steps, or no prepacking here
-            plain = stacked(self.model.lm_head, "head", [(self.model.lm_head.weight,)], packed=False, rows=self.head_ids)[0]
+            plain = stacked(self.model.lm_head, "head", [(self.model.lm_head.weight,)], packed=False,
+                            rows=self.head_rows)[0]
             self.head = self.head._replace(plain=plain)
         return self.head(hidden, None)
 
