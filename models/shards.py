@@ -9,6 +9,7 @@ data, and imports no torch. Writing goes through transformers' `save_pretrained`
 which shards a checkpoint above `max_shard_size` and names the files as the hub does.
 """
 
+import hashlib
 import json
 import math
 import os
@@ -117,6 +118,22 @@ def read_weights(folder: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], 
 def weights_label(folder: str | os.PathLike) -> str:
     """How errors name a folder's weights: its model.safetensors, or its index of shards."""
     return f"{folder}/{INDEX_NAME if is_sharded(folder) else WEIGHTS_NAME}"
+
+
+def weights_sha256(folder: str | os.PathLike) -> str | None:
+    """One sha256 of a folder's weights: that of its model.safetensors, or, sharded, of the lines
+    "NAME SHA256" of its shards in order (the index's layout is checked by `weight_files`); None where the
+    folder holds no safetensors weights (a .gguf target, say)."""
+    from .checkpoint import sha256_file
+
+    folder = Path(folder)
+    if not folder.is_dir() or not ((folder / WEIGHTS_NAME).is_file() or is_sharded(folder)):
+        return None
+    files = weight_files(folder)
+    if not is_sharded(folder):
+        return sha256_file(files[0])
+    lines = "".join(f"{file.name} {sha256_file(file)}\n" for file in files)
+    return hashlib.sha256(lines.encode()).hexdigest()
 
 
 def weights_bytes(folder: str | os.PathLike) -> int:

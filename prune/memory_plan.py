@@ -14,8 +14,8 @@ Each phase is a sum of parts at its fullest moment (`MemoryPlan.parts`), in byte
                       float32 on a CPU, the target's dtype elsewhere).
   drafter_fast_path   on a CPU only (a GPU's lean forward runs the drafter's own weights: models/lean.py, `copies`):
                       the fused form (`_fused_layer`), per copy, each layer's products again plus the rotated q/k
-                      rows, H (q + kv) more; where oneDNN prepacks the dtype (`can_prepack`) the lm_head prepacked,
-                      V H more.
+                      rows, H (q + kv) more; where oneDNN prepacks the dtype (`can_prepack`) the lm_head's rows that
+                      the passes compute prepacked, R H more (R: the proposable ids, or the draft vocabulary's K).
   target_weights      P_t b_t.
   target_fast_path    on a CPU only (a GPU's products read the weights in place): `target_runner` times its products
                       stacked in both forms, plain and prepacked, so 2 x the layer products, and the lm_head in both
@@ -26,7 +26,7 @@ Each phase is a sum of parts at its fullest moment (`MemoryPlan.parts`), in byte
                       (prompt + DecodeConfig.packed_budget + B) tokens) and the target's prefill of one prompt, each
                       tokens x (3 H + 3 I + 4 q + 3 kv) x b, and the drafter's mask, rows x tokens x context x b, with
                       its copy repeated per grouped query head (attention keeps no scores: flash kernels).
-  logits              the drafter's block reads: rows x (1 + candidates) x B slots x V x 4 bytes, twice (the float32
+  logits              the drafter's block reads: rows x (1 + candidates) x B slots x R x 4 bytes, twice (the float32
                       logits and the logsumexp's temporary; plus b for the head's own output when b is not 4);
                       candidates = packed_budget // (B + 1), the blocks the packed pass fits; the target's verify
                       pass B x V_t x 4.
@@ -173,6 +173,7 @@ def plan_memory(drafter_config, target_config=None, device: str = "cpu", dtype: 
     """
     import torch
 
+    from models.draft_vocab import head_rows as draft_head_rows
     from models.lean import can_prepack
     from models.precision import drafter_dtype as auto_drafter_dtype
 
@@ -186,8 +187,9 @@ def plan_memory(drafter_config, target_config=None, device: str = "cpu", dtype: 
     block = drafter_config.block_size
     on_cpu = kind == "cpu"
 
-    fast = (drafter.layers * drafter.fused_layer + (drafter.embedding if can_prepack(torch.device("cpu"), d_dtype)
-                                                     else 0)) if on_cpu else 0
+    head_rows = draft_head_rows(drafter_config)  # the rows its passes compute: proposable ids or a draft vocabulary
+    fast = (drafter.layers * drafter.fused_layer + (head_rows * drafter.hidden
+                                                    if can_prepack(torch.device("cpu"), d_dtype) else 0)) if on_cpu else 0
     drafter_weights, drafter_fast = drafter.parameters * d_bytes, fast * d_bytes
     context = work.prompt_tokens + work.max_new_tokens + block
     rows = work.batch_size
@@ -198,7 +200,7 @@ def plan_memory(drafter_config, target_config=None, device: str = "cpu", dtype: 
         "drafter_kv_cache": rows * context * drafter.kv_per_token(d_bytes),
         "activations": drafter.pass_activations(widest, d_bytes) + _pass_mask(drafter, rows, widest // rows, context,
                                                                               d_bytes),
-        "logits": slots * drafter.vocab * (2 * FLOAT32 + (0 if d_bytes == FLOAT32 else d_bytes)),
+        "logits": slots * head_rows * (2 * FLOAT32 + (0 if d_bytes == FLOAT32 else d_bytes)),
     }
     held = {"runtime": runtime_bytes(kind) if runtime is None else runtime}
     if target is not None:

@@ -43,6 +43,7 @@ SECTIONS = {
     "drafter": "The demo drafter",
     "pruning": "Pruning",
     "healing": "Healing",
+    "memory": "Real-size drafters",
 }
 REQUIRED = ("title", "section", "date", "host", "command", "columns", "rows")
 DATE = re.compile(r"\d{4}-\d{2}-\d{2}$")

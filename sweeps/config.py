@@ -4,6 +4,7 @@
 from dataclasses import dataclass, field
 
 from models.errors import ConfigError, one_of
+from models.shards import DEFAULT_MAX_SHARD_SIZE
 from prune.config import DEFAULT_VOCAB_SIZES, HealConfig, ScoreConfig
 
 COSTS = ("layers", "packed_ms")  # the cost objective of the Pareto mode: layers left, predicted packed-pass ms
@@ -25,6 +26,8 @@ class SweepConfig:
         seed: seeds the samplers (per trial number, so workers never repeat each other's draws).
         score, heal: campaign settings that the search space does not set (decoding, verify, batch...).
         export_dtype: dtype of the trials' exported steps; "source": the dtype the drafter is stored in.
+        max_shard_size: largest weight file of the trials' exported steps (bytes or "5GB"); heavier steps are
+            written as shards (models/shards.py).
         vocab_sizes: the draft vocabulary sizes trials' head steps may try (prune.config.RunConfig.vocab_sizes),
             down to the space's `vocab_size` where it sets one; () when the sweep has no ids' ranking.
     """
@@ -38,6 +41,7 @@ class SweepConfig:
     score: ScoreConfig = field(default_factory=ScoreConfig)
     heal: HealConfig = field(default_factory=HealConfig)
     export_dtype: str = "source"
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
     vocab_sizes: tuple[int, ...] = DEFAULT_VOCAB_SIZES
 
     @property

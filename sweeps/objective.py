@@ -215,7 +215,8 @@ class PruningObjective:
         try:
             timing = Timing.from_dict(self.study_timing(trial, run_config.score))
             state = run_pruning(campaign, out, run_config, timing=timing,
-                                export_dtype=self.config.export_dtype, hooks=hooks)
+                                export_dtype=self.config.export_dtype, hooks=hooks,
+                                max_shard_size=self.config.max_shard_size)
             metrics = self.measure(state, out)
         except BaseException:
             if tracker is not None:

@@ -14,7 +14,8 @@ from _pairs import prompt_ids, tiny_target
 from conftest import build_tiny_drafter, export_interrupted_at
 from models.drafter import load_drafter, save_drafter, validate_checkpoint
 from models.errors import CheckpointError, ConfigError
-from models.shards import INDEX_NAME, stored_dtype, weight_files
+from models.checkpoint import sha256_file
+from models.shards import INDEX_NAME, stored_dtype, weight_files, weights_sha256
 from prune.cli import main
 from prune.export import REPORT_NAME, verify_export
 
@@ -89,6 +90,22 @@ def test_a_sharded_bfloat16_save_keeps_its_dtype(drafters, tmp_path):
     folder = save_drafter(drafters[0], tmp_path / "bf16", dtype=torch.bfloat16, max_shard_size=SHARD // 2)
     assert len(shard_names(folder)) >= 3 and stored_dtype(folder) == "bfloat16"
     assert {t.dtype for t in stored_tensors(folder).values()} == {torch.bfloat16}
+
+
+def test_one_sha256_names_a_folders_weights_in_either_layout(drafters, sharded, tmp_path):
+    """What distillation data records of its target (prune.training.data): a single file's own sha256; the
+    shards' together, changed by a change in any shard; nothing for a folder without safetensors weights."""
+    _, single, _ = drafters
+    assert weights_sha256(single) == sha256_file(single / "model.safetensors")
+    before = weights_sha256(sharded)
+    assert before is not None and before != weights_sha256(single)
+    last = weight_files(sharded)[-1]
+    data = bytearray(last.read_bytes())
+    data[-1] ^= 1  # one bit of the last tensor
+    last.write_bytes(bytes(data))
+    assert weights_sha256(sharded) != before
+    (tmp_path / "gguf-only").mkdir()
+    assert weights_sha256(tmp_path / "gguf-only") is None and weights_sha256(tmp_path / "t.gguf") is None
 
 
 def test_prune_export_writes_a_sharded_folder_that_plain_transformers_loads(drafters, tmp_path, capsys):

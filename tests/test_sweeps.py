@@ -17,6 +17,7 @@ from _pairs import prompt_ids, save_prompt_sets, save_tiny_pair, tiny_campaign
 from decode.timing import PINNED_TIMES_ENV
 from models.drafter import save_drafter
 from models.errors import CheckpointError, ConfigError
+from models.shards import weight_files
 from prune.cli import main
 from prune.heal import HealConfig
 from prune.scoring import ScoreConfig, record_trajectories
@@ -338,10 +339,11 @@ def sweep_args(root, out, *extra):
 
 def test_sweep_cli_runs_and_summarizes(pair_dirs, tmp_path, capsys):
     out = tmp_path / "sweep"
-    assert main(sweep_args(pair_dirs, out, "--n-trials", "2", "--json", "-")) == 0
+    assert main(sweep_args(pair_dirs, out, "--n-trials", "2", "--max-shard-size", "10000", "--json", "-")) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["counts"]["COMPLETE"] + summary["counts"].get("PRUNED", 0) == 2
     assert (out / "optuna.db").is_file() and summary["best"]["checkpoint"]
+    assert len(weight_files(summary["best"]["checkpoint"])) > 1  # written in shards of at most 10 kB
     assert main(["sweep", "--study", "cli", "--out", str(out), "--summary", "--json", "-"]) == 0
     assert json.loads(capsys.readouterr().out)["best"] == summary["best"]
     assert main(["sweep", "--study", "cli", "--out", str(out), "--summary"]) == 0

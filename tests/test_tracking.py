@@ -110,8 +110,8 @@ def test_head_steps_are_logged_beside_layer_steps(pair_dirs, tmp_path):
     assert main(run_args(pair_dirs, out, "--vocab-sizes", "64,40", "--layers-to-remove", "1")) == 0
     _, run = offline_run(out)
     steps = [row for row in run["history"] if "pruning/tau" in row]
-    # the unpruned head's 99 rows, two head steps at no layer removed, then a layer step keeping 40
-    assert [(row[tracking.STEP_AXIS], row["pruning/head_rows"]) for row in steps] == [(0, 99), (0, 64), (0, 40),
+    # the unpruned head's 97 proposable rows, two head steps at no layer removed, then a layer step keeping 40
+    assert [(row[tracking.STEP_AXIS], row["pruning/head_rows"]) for row in steps] == [(0, 97), (0, 64), (0, 40),
                                                                                      (1, 40)]
     assert [any(key.startswith("layer_scores") for key in row) for row in steps] == [False, False, False, True]
     assert run["summary"]["final/head_rows"] == 40 and json.loads(run["artifacts"][-1].metadata)["head_rows"] == 40

@@ -10,6 +10,7 @@ from sweeps import storages
 from sweeps.config import COSTS, MODES, PRUNERS, SweepConfig
 
 from . import _types
+from ._checkpoint_args import add_max_shard_size_arg
 from ._common import (
     add_command,
     add_debug,
@@ -105,6 +106,7 @@ def add_parser(subparsers) -> None:
     add_loss_data_arg(parser)
     add_vocab_args(parser)  # without the ids' ranking the space's vocab_size is not searched
     add_export_dtype_arg(parser)
+    add_max_shard_size_arg(parser)
     add_tracking_args(parser)
     add_debug(parser)
     parser.set_defaults(run=run)

@@ -68,7 +68,8 @@ def generate_distillation_data(
     import torch
 
     from decode.prompts import tokenize_records
-    from models.checkpoint import atomic_write_text, sha256_file
+    from models.checkpoint import atomic_write_text
+    from models.shards import weights_sha256
     from models.errors import ConfigError, DataError
     from models.lock import output_lock
     from models.target import load_tokenizer
@@ -84,10 +85,9 @@ def generate_distillation_data(
         if tokenizer is None:
             raise DataError(f"target {target_dir} has no tokenizer files; distillation needs the target's tokenizer")
         prompts, eval_texts = select_training_prompts(num_prompts, seed, stdlib_dir, style)
-        weights = target_dir / "model.safetensors"
         settings = {
             "format": FORMAT_VERSION,
-            "target_weights_sha256": sha256_file(weights) if weights.is_file() else None,
+            "target_weights_sha256": weights_sha256(target_dir),  # one file's, or the shards' together
             "num_prompts": len(prompts),
             "max_new_tokens": max_new_tokens,
             "dtype": dtype,
