@@ -187,9 +187,9 @@ def plan_memory(drafter_config, target_config=None, device: str = "cpu", dtype: 
     block = drafter_config.block_size
     on_cpu = kind == "cpu"
 
-    head_rows = draft_head_rows(drafter_config)  # the rows its passes compute: proposable ids or a draft vocabulary
-    fast = (drafter.layers * drafter.fused_layer + (head_rows * drafter.hidden
-                                                    if can_prepack(torch.device("cpu"), d_dtype) else 0)) if on_cpu else 0
+    head_rows = draft_head_rows(drafter_config)  # the rows its passes compute: proposable, or a draft vocabulary
+    head = head_rows * drafter.hidden if can_prepack(torch.device("cpu"), d_dtype) else 0
+    fast = drafter.layers * drafter.fused_layer + head if on_cpu else 0
     drafter_weights, drafter_fast = drafter.parameters * d_bytes, fast * d_bytes
     context = work.prompt_tokens + work.max_new_tokens + block
     rows = work.batch_size

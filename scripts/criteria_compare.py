@@ -8,15 +8,16 @@ criterion pre-screened by each --prescreen CRITERION:K), in this order:
 
   1. `prune score --no-cache` on the unpruned drafter with the variant's scoring flags: one scoring round
      whose wall time (the report's settings.wall_s) is the variant's scoring cost;
-  2. `prune run --layers-to-remove MAX(depths) --per-step 1 --check-candidates 1` into OUT/runs/VARIANT: one
-     layer per step, so step-0D is the drafter with D layers removed (a run to 5 is the first five steps of
-     the run to 8), each step the lowest of the criterion's ranking (no later candidate tried on the check
-     prompts: the layers are the criterion's own choice);
+  2. `prune run --layers-to-remove MAX(depths) --per-step 1 --check-candidates 1 --no-vocab-steps` into
+     OUT/runs/VARIANT: one layer per step and no head steps, so step-0D is the drafter with D layers removed
+     (a run to 5 is the first five steps of the run to 8), each step the lowest of the criterion's ranking
+     (no later candidate tried on the check prompts: the layers are the criterion's own choice);
 
 then, per held-out suite (--suites, their eval parts), the target's float32 outputs recorded once
 (`prune bench --decoder ar --save-outputs`) and one `prune bench --decoder async --verify replay
---ar-outputs` with the unpruned drafter and every variant's step at every depth. The table (OUT/criteria.md,
-and the JSON record OUT/criteria.json it is a view of) gives per variant and depth the original layers
+--width fixed --ar-outputs` (every block verified whole: tau is the drafters' acceptance alone, not the
+width the cost model would pick) with the unpruned drafter and every variant's step at every depth. The
+table (OUT/criteria.md, and the JSON record OUT/criteria.json it is a view of) gives per variant and depth the original layers
 removed, the held-out tau retention per suite with its paired standard error over the prompts
 (decode.metrics.paired_ratio_error: each drafter's per-prompt tau against the unpruned drafter's on the same
 prompts), their mean, and the scoring round's wall time. Every stage is skipped when its output exists
@@ -140,7 +141,8 @@ class Stages:
         wall = self.call(f"run-{variant['name']}", [
             "run", *self.calibration(), *shlex.split(a.run_args), *variant["flags"], *heal, *checks,
             "--out", str(folder), "--resume", "--layers-to-remove", str(max(depths(a))), "--per-step", "1",
-            "--check-candidates", "1", "--no-stop-on-speedup", "--min-retention", str(a.min_retention),
+            "--check-candidates", "1", "--no-vocab-steps", "--no-stop-on-speedup",
+            "--min-retention", str(a.min_retention),
             "--speed-prompts", "0", "--no-wandb", "--json", str(folder.with_suffix(".json"))])
         (self.out / "runs" / f"{variant['name']}.wall.json").write_text(json.dumps({"wall_s": wall}) + "\n")
 
@@ -157,7 +159,7 @@ class Stages:
             return
         target = ["--target", a.target] if a.target else []
         self.call(f"bench-{label}", ["bench", *target, *prompts, "--decoder", "async", "--verify", "replay",
-                                     "--replay-batch", "16", "--ar-outputs", str(ar),
+                                     "--replay-batch", "16", "--width", "fixed", "--ar-outputs", str(ar),
                                      *[flag for d in drafters for flag in ("--drafter", d)], "--json", str(report)])
 
 

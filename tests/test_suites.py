@@ -7,6 +7,7 @@ download; without them they skip. `python -c "from decode.suites import prefetch
 """
 
 import collections
+import json
 import functools
 import subprocess
 import sys
@@ -239,3 +240,26 @@ def test_a_mix_names_each_part_once(spec):
     with pytest.raises(DataError) as info:
         suites.load_suite(spec, fetch=False)
     assert "\n" not in str(info.value) and ("twice" in str(info.value) or "nope" in str(info.value))
+
+
+def test_the_license_prompt_script_writes_seeded_distinct_prompts_and_never_overwrites(tmp_path):
+    """scripts/license_prompts.py (the out-of-domain prompts of docs/results/licenses-ood.jsonl): whole-paragraph
+    passages, the same file from the same seed, distinct prompts, and an existing file left alone."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "license_prompts.py"
+    spec = importlib.util.spec_from_file_location("license_prompts", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    text = "\n\n".join(f"Paragraph {i}. " + "words " * 60 for i in range(6))
+    passages = script.passages(text)
+    assert len(passages) >= 2 and all(p.startswith("Paragraph") and p.rstrip().endswith("words") for p in passages)
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    assert script.main([str(first), "--count", "5", "--seed", "3"]) == 0
+    assert script.main([str(second), "--count", "5", "--seed", "3"]) == 0
+    assert first.read_text() == second.read_text()
+    prompts = [json.loads(line)["prompt"] for line in first.read_text().splitlines()]
+    assert len(set(prompts)) == 5
+    with pytest.raises(SystemExit, match="exists"):
+        script.main([str(first), "--count", "5"])
+    assert first.read_text() == second.read_text()
