@@ -17,8 +17,8 @@ then, per held-out suite (--suites, their eval parts), the target's float32 outp
 (`prune bench --decoder ar --save-outputs`) and one `prune bench --decoder async --verify replay
 --width fixed --ar-outputs` (every block verified whole: tau is the drafters' acceptance alone, not the
 width the cost model would pick) with the unpruned drafter and every variant's step at every depth. The
-table (OUT/criteria.md, and the JSON record OUT/criteria.json it is a view of) gives per variant and depth the original layers
-removed, the held-out tau retention per suite with its paired standard error over the prompts
+table (OUT/criteria.md, and the JSON record OUT/criteria.json it is a view of) gives per variant and depth
+the original layers removed, the held-out tau retention per suite with its paired standard error over the prompts
 (decode.metrics.paired_ratio_error: each drafter's per-prompt tau against the unpruned drafter's on the same
 prompts), their mean, and the scoring round's wall time. Every stage is skipped when its output exists
 (runs resume), so a killed comparison is continued by running the same command again; a bench is rerun when
