@@ -75,7 +75,7 @@ def stacked(owner: torch.nn.Module, role: str, groups: list[tuple[torch.Tensor, 
     def build():
         matrices = [_rows_of(torch.cat(group) if len(group) > 1 else group[0], rows) for group in groups]
         if packed:
-            return [torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None) for w in matrices]
+            return [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in matrices]
         return [w.t().contiguous() for w in matrices]
 
     if isinstance(rows, int):  # a prefix is part of the kind: the weights alone do not say it

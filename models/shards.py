@@ -16,7 +16,8 @@ import os
 import re
 from pathlib import Path
 
-from .checkpoint import SAFETENSORS_FLOAT_DTYPES, WEIGHTS_NAME, read_safetensors_shapes, safetensors_header
+from .checkpoint import (SAFETENSORS_FLOAT_DTYPES, WEIGHTS_NAME, read_safetensors_shapes, safetensors_header,
+                         sha256_file)
 from .errors import CheckpointError, ConfigError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -124,8 +125,6 @@ def weights_sha256(folder: str | os.PathLike) -> str | None:
     """One sha256 of a folder's weights: that of its model.safetensors, or, sharded, of the lines
     "NAME SHA256" of its shards in order (the index's layout is checked by `weight_files`); None where the
     folder holds no safetensors weights (a .gguf target, say)."""
-    from .checkpoint import sha256_file
-
     folder = Path(folder)
     if not folder.is_dir() or not ((folder / WEIGHTS_NAME).is_file() or is_sharded(folder)):
         return None
