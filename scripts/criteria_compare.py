@@ -70,6 +70,8 @@ def parse_args(argv=None):
     parser.add_argument("--eval-tokens", type=int, default=128, help="tokens per held-out prompt")
     parser.add_argument("--loss-data", nargs="*", default=[], metavar="DIR",
                         help="held-in data of the loss criterion (prune score/run --loss-data; default: theirs)")
+    parser.add_argument("--loss-examples", type=int, default=None,
+                        help="held-in sequences of the loss criterion (prune score/run --loss-examples; default: theirs)")
     parser.add_argument("--run-args", default="", help="more prune run flags, as one shell-quoted string")
     parser.add_argument("--prune", default=f"{shlex.quote(sys.executable)} -m prune", help="the prune command")
     return parser.parse_args(argv)
@@ -122,7 +124,8 @@ class Stages:
     def calibration(self) -> list[str]:
         a = self.args
         return [*self.pair, *source_flags(a.calib), "--limit", str(a.limit), "--max-new-tokens", str(a.max_new_tokens),
-                *(["--loss-data", *a.loss_data] if a.loss_data else [])]
+                *(["--loss-data", *a.loss_data] if a.loss_data else []),
+                *(["--loss-examples", str(a.loss_examples)] if a.loss_examples else [])]
 
     def score(self, variant: dict) -> None:
         report = self.out / "scores" / f"{variant['name']}.json"

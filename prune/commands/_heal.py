@@ -19,11 +19,17 @@ def add_heal_data_arg(parser) -> None:
 
 
 def add_loss_data_arg(parser) -> None:
-    """--loss-data DIR [DIR ...]: the held-in data of the `loss` criterion (prune score, run, sweep)."""
+    """--loss-data DIR [DIR ...] and --loss-examples N: the held-in data of the `loss` criterion (prune score,
+    run, sweep)."""
+    from prune.config import ScoreConfig
+
     parser.add_argument("--loss-data", default=None, metavar="DIR", nargs="+", type=_types.data_dir,
                         help="distillation data folders (prune distill output) on which the loss criterion measures "
                         "the drafter's training loss without each layer (default: the demo drafter's shipped "
                         "folders, models/demo.py DEMO_HEAL_DATA, with the demo drafter)")
+    parser.add_argument("--loss-examples", type=_types.positive_int, default=ScoreConfig.loss_examples, metavar="N",
+                        help="sequences the loss criterion draws (seeded by --seed) from --loss-data, 16 blocks each: "
+                        "its ranking costs one drafter pass per 8 of them per layer")
 
 
 def loss_data(args, criteria) -> tuple[str, ...]:
