@@ -54,6 +54,9 @@ class DecodeConfig:
             itself (one pass per round instead of two). Acceptances and hits are those of the full
             decoder (`round_trace` is unchanged; `packed_tokens` still counts the full pass), at a
             fraction of the drafter work; live verification ignores it.
+        context_vocab: where the drafter has a draft vocabulary, each sequence may also propose the ids of its
+            own prompt and output that the vocabulary lacks (decode.engine.ContextIds); False proposes from
+            the vocabulary alone, as a serving stack with a fixed token map does.
     """
 
     max_new_tokens: int = 128
@@ -70,6 +73,7 @@ class DecodeConfig:
     concurrent: bool = True
     draft_threads: int | None = None
     lookahead: bool = True
+    context_vocab: bool = True
 
     def verify_block(self, drafter_block: int) -> int:
         """The most tokens a round verifies with a drafter of block size `drafter_block` (ConfigError if unusable)."""

@@ -314,7 +314,7 @@ def decode_speculative(
     run_round = registry.DECODERS[decoder].function
     seqs = [_Sequence(prompt, verifier, config, row, on_commit)
             for row, (prompt, verifier) in enumerate(zip(prompts, verifiers))]
-    engine = DraftEngine(drafter, rows=len(seqs), fan_out=config.fan_out)
+    engine = DraftEngine(drafter, rows=len(seqs), fan_out=config.fan_out, context_vocab=config.context_vocab)
     block = config.verify_block(engine.block_size)
     start = time.perf_counter()
     for seq in seqs:

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from models.inference import decoder_runner, draft_logits
+from models.drafter_config import draft_vocab_limit
+from models.inference import decoder_runner, draft_logits, id_logits
 from models.lean import packed_index
 from models.masks import BlockSpec, batch_layouts, block_layout, mask_from_table, query_table
 from models.transfer import upload_parts
@@ -86,6 +87,51 @@ class BlockPrediction:
     alternatives: list[list[tuple[int, float]]]
 
 
+class ContextIds:
+    """Per row, the ids of its context that a drafter's draft vocabulary lacks: proposable too (`DraftEngine`).
+
+    A draft vocabulary holds the ids the target writes most often (models/draft_vocab.py); what it misses
+    most is what a sequence copies from its own context: identifiers of a code prompt, names and numbers of
+    a question, words the answer has already used. So every clean token a row is fed (prompt, committed
+    output; its drafts are vocabulary ids already) that the vocabulary lacks joins that row's extra ids,
+    and its passes score those head rows beside the vocabulary's, each row its own (docs/design.md, Draft
+    vocabulary). The target verifies every proposal, so this moves acceptance only; the same chains give
+    the same ids in live and replayed decoding.
+
+    Args:
+        vocab: the draft vocabulary, int64 `(K,)`.
+        config: the drafter's config (its proposable ids: below draft_vocab_size, never the mask id).
+        rows: sequences of the engine.
+    """
+
+    def __init__(self, vocab: torch.Tensor, config, rows: int):
+        self.outside = frozenset(vocab.tolist()) | {config.mask_token_id}  # never an extra id
+        self.limit = draft_vocab_limit(config)
+        self.ids: list[dict[int, None]] = [{} for _ in range(rows)]  # insertion-ordered sets
+
+    def note(self, row: int, tokens: list[int]) -> None:
+        """Add the proposable ids of `tokens` (fed to `row`) that the vocabulary lacks to the row's extras."""
+        seen = self.ids[row]
+        for token in tokens:
+            if token not in seen and token < self.limit and token not in self.outside:
+                seen[token] = None
+
+    def columns(self, rows: list[int], device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For the read blocks of `rows` (one entry per block): the extra ids of those rows together, int64
+        `(U,)` ascending, and which of them each block's row holds, bool `(blocks, U)`; None when none has any."""
+        distinct = sorted(set(rows))
+        union = sorted(set().union(*(self.ids[r] for r in distinct)))
+        if not union:
+            return None
+        column = {token: u for u, token in enumerate(union)}
+        held = torch.zeros(len(distinct), len(union), dtype=torch.bool)  # per distinct row
+        for i, r in enumerate(distinct):
+            held[i, [column[token] for token in self.ids[r]]] = True
+        allowed = held[[distinct.index(r) for r in rows]]
+        return (torch.tensor(union, dtype=torch.int64).to(device, non_blocking=True),
+                allowed.to(device, non_blocking=True))
+
+
 class DraftEngine:
     """Runs drafter passes for `rows` sequences sharing one batched KV cache.
 
@@ -94,9 +140,12 @@ class DraftEngine:
         rows: number of sequences decoded in lockstep.
         fan_out: alternatives kept per slot (bonus-token guesses for async candidates).
         lean: run the lean forward (models/lean.py) where it applies; False forces transformers'.
+        context_vocab: with a draft vocabulary, each row may also propose the ids of its own context (the
+            clean tokens fed to it: prompt and committed output) that lie outside the vocabulary (`ContextIds`).
     """
 
-    def __init__(self, model: torch.nn.Module, rows: int = 1, fan_out: int = 4, lean: bool = True):
+    def __init__(self, model: torch.nn.Module, rows: int = 1, fan_out: int = 4, lean: bool = True,
+                 context_vocab: bool = True):
         self.model = model
         self.block_size: int = model.config.block_size
         self.mask_id: int = model.config.mask_token_id
@@ -116,6 +165,8 @@ class DraftEngine:
             self.cache = self.runner.new_cache(rows)  # drafter-stream memory, reused in that stream's order
         self.cache_lens = [0] * rows  # valid cached positions per row
         self.padded_len = 0  # key slots per row in the cache tensors
+        vocab = getattr(self.runner, "head_ids", None)
+        self.context = ContextIds(vocab, model.config, rows) if context_vocab and vocab is not None else None
 
     def mark_ready(self) -> None:
         """Record, on the calling thread's current stream, the point the next pass must wait for.
@@ -153,6 +204,8 @@ class DraftEngine:
                 ids += ([block.guess] if block.guess is not None else []) + [self.mask_id] * self.block_size
             layouts.append(layout)
             inputs.append(ids)
+            if self.context is not None:
+                self.context.note(row, request.chain)
         q_max = max(len(ids) for ids in inputs)
         if q_max == 0:
             self._ready = None  # nothing ran: the next pass waits for the caller's whole stream instead
@@ -204,10 +257,21 @@ class DraftEngine:
         # its columns map back to target ids here (models/draft_vocab.py).
         logits, ids = draft_logits(self.model, slots, self.runner)
         # The few top probabilities without the full softmax: exp(logit - logsumexp) (blocks * B, F + 1).
-        top_l, top_i = top_k(logits, min(self.fan_out + 1, logits.shape[-1]))
-        top_p = (top_l - logits.logsumexp(dim=-1, keepdim=True)).exp()
+        k = min(self.fan_out + 1, logits.shape[-1])
+        top_l, top_i = top_k(logits, k)
+        total = logits.logsumexp(dim=-1, keepdim=True)
         if ids is not None:
             top_i = ids[top_i]
+        extra = self.context.columns([r for r, _ in reads], self.device) if self.context is not None else None
+        if extra is not None:  # the rows' context ids outside the draft vocabulary, each row's own alone
+            extra_ids, allowed = extra
+            more = id_logits(self.model, slots, extra_ids)  # (blocks * B, U)
+            more.masked_fill_(~allowed.repeat_interleave(self.block_size, dim=0), float("-inf"))
+            total = torch.logaddexp(total, more.logsumexp(dim=-1, keepdim=True))
+            more_l, more_i = more.topk(min(k, more.shape[-1]), dim=-1)
+            top_l, order = torch.cat([top_l, more_l], dim=-1).topk(k, dim=-1)
+            top_i = torch.cat([top_i, extra_ids[more_i]], dim=-1).gather(-1, order)
+        top_p = (top_l - total).exp()
         top_p = top_p.view(len(reads), self.block_size, -1)
         top_i = top_i.view(len(reads), self.block_size, -1)
         if self.device.type == "cuda":  # both copies queued, then one sync (instead of one per tolist)

@@ -62,6 +62,15 @@ def draft_logits(model: torch.nn.Module, hidden: torch.Tensor, runner) -> tuple[
     return (logits, ids) if ids is not None else (_mask_unproposable(model, logits), None)
 
 
+def id_logits(model: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Float32 logits `(..., U)` of `hidden` `(..., hidden_size)` on the head rows `ids` (int64 `(U,)` on the
+    model's device; column u is token `ids[u]`): a few rows gathered per call, such as the ids outside a drafter's
+    draft vocabulary that a sequence's context holds (decode.engine, docs/design.md)."""
+    weight, bias = model.lm_head.weight, getattr(model.lm_head, "bias", None)
+    rows = weight.detach().index_select(0, ids)
+    return torch.nn.functional.linear(hidden, rows, None if bias is None else bias.index_select(0, ids)).float()
+
+
 def _mask_unproposable(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """`logits` (in place) over the first R ids (the whole head, or its proposable prefix) with the mask id and
     the padding rows among them at -inf."""

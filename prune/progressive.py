@@ -523,7 +523,7 @@ def config_record(config: RunConfig) -> dict:
 # Settings added since a run could be saved without them, at the value that reproduces what runs did before:
 # such a run resumes only with these values (e.g. `--check-prompts 0`), as it was judged then.
 SETTINGS_BEFORE_THEY_EXISTED = {"check_prompts": 0, "check_candidates": 1, "check_try_discount": 0.0,
-                                "check_tokens": None, "vocab_sizes": []}
+                                "check_tokens": None, "vocab_sizes": [], "context_vocab": False}
 
 
 def with_defaults(stored: dict, defaults: dict) -> dict:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from models.drafter_config import original_layers
+from models.inference import decoder_runner
 from models.surgery import without_layers
 
 from .config import ScoreConfig
@@ -171,7 +172,8 @@ def loss_without_each_layer(drafter, inputs: RankInputs) -> list[float]:
                for i in range(0, len(inputs.examples), LOSS_BATCH)]
 
     def mean_loss(model) -> float:
-        return sum(float(drafter_loss(model, batch).total) for batch in batches) / len(batches)
+        runner = decoder_runner(model, fused=True)  # the lean forward (training.loss._supervised_hidden)
+        return sum(float(drafter_loss(model, batch, runner=runner).total) for batch in batches) / len(batches)
 
     def without(layer: int) -> float:
         with without_layers(drafter, [layer]) as view:  # shares the drafter's tensors: no copy per layer

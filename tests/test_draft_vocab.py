@@ -109,7 +109,7 @@ def test_draft_trees_over_a_draft_vocabulary_equal_ar(cut_pair, decoder):
 
 def test_a_vocabulary_missing_the_targets_tokens_costs_acceptance_never_correctness(cut_pair):
     target, drafter, _, prompts = cut_pair
-    config = DecodeConfig(max_new_tokens=40)
+    config = DecodeConfig(max_new_tokens=40, context_vocab=False)  # the vocabulary alone: no context ids
     said = set(outputs_first(target, prompts, config, TINY_REAL_VOCAB)[:10].tolist())
     # the ten tokens the target says most are left out, and so are a third of the others
     missing = with_draft_vocab(drafter, torch.tensor([i for i in range(0, TINY_REAL_VOCAB, 3) if i not in said]))
@@ -127,7 +127,7 @@ def test_proposals_are_target_ids_from_the_vocabulary_only(cut_pair):
     from models.masks import BlockSpec
 
     _, _, cut, prompts = cut_pair
-    engine = DraftEngine(cut, rows=1, fan_out=4)
+    engine = DraftEngine(cut, rows=1, fan_out=4, context_vocab=False)
     prompt = prompts[2]
     (prediction,) = engine.forward([DraftRequest(prompt, [BlockSpec(len(prompt) - 1)])])[0]
     allowed = set(cut.draft_vocab_ids.tolist())
@@ -135,6 +135,33 @@ def test_proposals_are_target_ids_from_the_vocabulary_only(cut_pair):
     assert set(proposed) <= allowed and len(prediction.alternatives[0]) == 4
     # probabilities renormalised over the vocabulary: each slot's top five sum to at most 1
     assert all(p + sum(q for _, q in alts) <= 1 + 1e-5 for p, alts in zip(prediction.probs, prediction.alternatives))
+
+
+def test_each_row_also_proposes_its_own_context_ids_as_a_vocabulary_holding_them_would(cut_pair):
+    from decode.engine import DraftEngine, DraftRequest
+    from models.masks import BlockSpec
+
+    _, drafter, cut, _ = cut_pair
+    vocab = set(cut.draft_vocab_ids.tolist())
+    outside = [token for token in range(TINY_REAL_VOCAB) if token not in vocab]
+    # two prompts made mostly of ids the vocabulary lacks, each with its own
+    prompts = [outside[: len(outside) // 2] + [3, 4], outside[len(outside) // 2:] + [5]]
+    engine = DraftEngine(cut, rows=2, fan_out=4)
+    together = engine.forward([DraftRequest(p, [BlockSpec(len(p) - 1)]) for p in prompts])
+    proposed_outside = 0
+    for row, prompt in enumerate(prompts):
+        # the reference: a drafter whose vocabulary holds this row's context ids, proposing from it alone
+        held = with_draft_vocab(drafter, torch.tensor(sorted(vocab | set(prompt))))
+        (alone,) = DraftEngine(held, rows=1, fan_out=4, context_vocab=False).forward(
+            [DraftRequest(prompt, [BlockSpec(len(prompt) - 1)])])[0]
+        (mine,) = together[row]
+        assert mine.tokens == alone.tokens
+        assert [[t for t, _ in slot] for slot in mine.alternatives] == [[t for t, _ in slot] for slot in alone.alternatives]
+        torch.testing.assert_close(torch.tensor(mine.probs), torch.tensor(alone.probs), rtol=1e-4, atol=1e-6)
+        proposed = set(mine.tokens) | {t for slot in mine.alternatives for t, _ in slot}
+        assert proposed <= vocab | set(prompt)  # never the other row's context ids
+        proposed_outside += len(proposed - vocab)
+    assert proposed_outside > 0  # the context ids did compete
 
 
 def test_a_draft_vocabulary_survives_save_load_and_loads_as_plain_qwen3(tmp_path):

@@ -2,6 +2,7 @@
 judged by the same rules, exported, resumed after an interruption, and shown in the report."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -90,8 +91,10 @@ def test_a_head_step_the_rules_refuse_is_not_taken_and_layer_steps_follow(campai
     said = set(ranking.ids.tolist())  # ranked backwards: the cut keeps only ids the target never says here
     backwards = ranking_of([[i] for i in range(97) if i not in said], campaign[1].config, ["backwards"])
     messages = []
-    state = run(campaign, tmp_path / "out", config_of(decode, min_retention=0.5), ranking=backwards,
-                log=messages.append)
+    # proposing from the cut alone: context ids (decode.engine.ContextIds) would give back what the target says
+    alone = config_of(decode, min_retention=0.5)
+    alone = replace(alone, score=replace(alone.score, decode=replace(decode, context_vocab=False)))
+    state = run(campaign, tmp_path / "out", alone, ranking=backwards, log=messages.append)
     assert [h.get("head_rows") for h in state["history"]] == [None]  # one layer step, no head step
     refused = [m for m in messages if "is not taken (retention floor: cutting the head to 64 ids" in m]
     assert len(refused) == 2  # tried before the layer step and again after it

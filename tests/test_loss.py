@@ -130,6 +130,20 @@ def test_padding_does_not_change_the_loss(make_tiny_drafter):
     assert math.isfinite(both.total.item())
 
 
+def test_the_lean_runner_computes_the_same_loss_as_the_transformers_forward(make_tiny_drafter):
+    """The loss ranking's path (prune.ranking.loss_without_each_layer): an inference runner over an empty cache."""
+    from models.inference import decoder_runner
+
+    model = make_tiny_drafter(block_size=B)
+    batch = build_batch([make_example(3, 8, seed=5), make_example(6, 20, seed=6)], B, MASK_ID, 0,
+                        anchors=[[3, 5, 7], [6, 10, 20]])
+    with torch.no_grad():
+        reference = drafter_loss(model, batch)
+        lean = drafter_loss(model, batch, runner=decoder_runner(model, fused=True))
+    torch.testing.assert_close(lean.total, reference.total, atol=1e-5, rtol=1e-5)
+    assert torch.equal(lean.slot_correct, reference.slot_correct) and lean.accept_sum == reference.accept_sum
+
+
 def test_teacher_term_is_a_kl_that_vanishes_on_the_teacher_and_mixes_with_ce(make_tiny_drafter):
     """With a teacher, each row's loss is (1 - w) CE + w KL(teacher || model), KL over the proposable ids."""
     model, other = make_tiny_drafter(block_size=B), make_tiny_drafter(block_size=B, seed=5)

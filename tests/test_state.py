@@ -2,6 +2,7 @@
 run resumes from it; so does one with the timing of the older pre-cost-model form."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -213,7 +214,7 @@ def campaign(tmp_path_factory):
     # judged on the calibration prompts, as every run was before check prompts existed
     config = RunConfig(layers_to_remove=2, min_retention=0.05, stop_on_speedup=False, check_prompts=0,
                        check_candidates=1, check_tokens=None, check_try_discount=0.0, vocab_sizes=(),
-                       score=ScoreConfig(decode=decode, timing_repeats=1, bootstrap=20),
+                       score=ScoreConfig(decode=replace(decode, context_vocab=False), timing_repeats=1, bootstrap=20),
                        heal=HealConfig(steps=2, rank=2, alpha=4, batch_size=2, lr=1e-3))
     return Campaign(load_drafter(root / "source"), root / "source", prompts, target, trajectories, examples), config
 

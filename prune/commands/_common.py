@@ -145,6 +145,10 @@ def add_decode_args(parser) -> None:
     parser.add_argument("--draft-threads", type=_types.positive_int, default=None, metavar="N",
                         help="async on CPU: threads of the packed pass; the verify pass gets the rest "
                         "(default: a quarter of the threads, at least 1)")
+    parser.add_argument("--no-context-vocab", action="store_true",
+                        help="a drafter with a draft vocabulary proposes from it alone, as a serving stack with a "
+                        "fixed token map does (default: each sequence also proposes the ids of its own prompt and "
+                        "output that the vocabulary lacks; decode/engine.py ContextIds)")
 
 
 def add_gate_arg(parser, default: str | None) -> None:
@@ -232,7 +236,9 @@ def decode_configs(args, pair, drafters, log=None, **fields) -> list:
     from ._target import given_pass_times
 
     base = DecodeConfig(**{"packed_budget": args.packed_budget, "draft_threads": args.draft_threads,
-                           "tree_branches": tree_branches(args), **_settings.section_values(args, "decode"),
+                           "tree_branches": tree_branches(args),
+                           "context_vocab": not getattr(args, "no_context_vocab", False),
+                           **_settings.section_values(args, "decode"),
                            "stop_ids": pair.stop_ids, **fields})
     for drafter in drafters:
         base.verify_block(drafter.config.block_size)

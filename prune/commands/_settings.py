@@ -68,6 +68,7 @@ class Rule:
 RULES: dict[tuple[str, str], Rule] = {
     ("run", "check_tokens"): Rule(to_field=lambda tokens: tokens or None),  # 0: as many as max_new_tokens
     ("train", "progress"): Rule(dest="no_progress", negate=True),
+    ("decode", "context_vocab"): Rule(dest="no_context_vocab", negate=True),
 }
 
 
