@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     with open(args.out, "x") as f:
         for k, (name, i, passage) in enumerate(chosen):
             question = QUESTIONS[k % len(QUESTIONS)].format(passage=passage)
-            f.write(json.dumps({"id": f"license-{name}-{i}", "prompt": question}) + "\n")
+            # a package may carry several license files: the draw's position keeps the ids distinct
+            f.write(json.dumps({"id": f"license-{k:02d}-{name}-{i}", "prompt": question}) + "\n")
     print(f"{args.out}: {args.count} prompts from {len({c[0] for c in chosen})} licenses")
     return 0
 

@@ -244,7 +244,7 @@ def test_a_mix_names_each_part_once(spec):
 
 def test_the_license_prompt_script_writes_seeded_distinct_prompts_and_never_overwrites(tmp_path):
     """scripts/license_prompts.py (the out-of-domain prompts of docs/results/licenses-ood.jsonl): whole-paragraph
-    passages, the same file from the same seed, distinct prompts, and an existing file left alone."""
+    passages, the same file from the same seed, distinct prompts and ids, and an existing file left alone."""
     import importlib.util
 
     path = Path(__file__).resolve().parents[1] / "scripts" / "license_prompts.py"
@@ -258,8 +258,8 @@ def test_the_license_prompt_script_writes_seeded_distinct_prompts_and_never_over
     assert script.main([str(first), "--count", "5", "--seed", "3"]) == 0
     assert script.main([str(second), "--count", "5", "--seed", "3"]) == 0
     assert first.read_text() == second.read_text()
-    prompts = [json.loads(line)["prompt"] for line in first.read_text().splitlines()]
-    assert len(set(prompts)) == 5
+    records = [json.loads(line) for line in first.read_text().splitlines()]
+    assert len({r["prompt"] for r in records}) == len({r["id"] for r in records}) == 5  # ids match outputs to prompts
     with pytest.raises(SystemExit, match="exists"):
         script.main([str(first), "--count", "5"])
     assert first.read_text() == second.read_text()
