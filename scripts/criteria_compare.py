@@ -251,7 +251,7 @@ def markdown(document: dict) -> str:
     for row in sorted(document["rows"], key=lambda r: (r["removed"], r["name"])):
         kept = [row["retention"][s] for s in suites]
         known = [k for k in kept if k is not None]
-        mean = None if len(known) < len(kept) else {
+        mean = None if not known or len(known) < len(kept) else {
             "value": sum(k["value"] for k in known) / len(known),
             "se": sum(k["se"] ** 2 for k in known) ** 0.5 / len(known)}  # the suites' prompts are independent
         wall = row["scoring_wall_s"]
