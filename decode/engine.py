@@ -108,6 +108,7 @@ class ContextIds:
         self.outside = frozenset(vocab.tolist()) | {config.mask_token_id}  # never an extra id
         self.limit = draft_vocab_limit(config)
         self.ids: list[dict[int, None]] = [{} for _ in range(rows)]  # insertion-ordered sets
+        self._last = None  # (rows read, extras per row then, columns): a pass's columns, reused while unchanged
 
     def note(self, row: int, tokens: list[int]) -> None:
         """Add the proposable ids of `tokens` (fed to `row`) that the vocabulary lacks to the row's extras."""
@@ -116,20 +117,28 @@ class ContextIds:
             if token not in seen and token < self.limit and token not in self.outside:
                 seen[token] = None
 
-    def columns(self, rows: list[int], device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def columns(self, rows: list[int], device) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """For the read blocks of `rows` (one entry per block): the extra ids of those rows together, int64
-        `(U,)` ascending, and which of them each block's row holds, bool `(blocks, U)`; None when none has any."""
+        `(U,)` ascending, and which of them each block's row holds, bool `(blocks, U)` (None where one row holds
+        them all); None when none has any. Most passes add no extra id, so the last pass's answer is reused."""
+        sizes = [len(self.ids[r]) for r in rows]  # the extras only grow: equal sizes, equal sets
+        if self._last is not None and self._last[:2] == (rows, sizes):
+            return self._last[2]
         distinct = sorted(set(rows))
         union = sorted(set().union(*(self.ids[r] for r in distinct)))
-        if not union:
-            return None
-        column = {token: u for u, token in enumerate(union)}
-        held = torch.zeros(len(distinct), len(union), dtype=torch.bool)  # per distinct row
-        for i, r in enumerate(distinct):
-            held[i, [column[token] for token in self.ids[r]]] = True
-        allowed = held[[distinct.index(r) for r in rows]]
-        return (torch.tensor(union, dtype=torch.int64).to(device, non_blocking=True),
-                allowed.to(device, non_blocking=True))
+        found = None
+        if union:
+            allowed = None
+            if len(distinct) > 1:
+                column = {token: u for u, token in enumerate(union)}
+                held = torch.zeros(len(distinct), len(union), dtype=torch.bool)  # per distinct row
+                for i, r in enumerate(distinct):
+                    held[i, [column[token] for token in self.ids[r]]] = True
+                place = {r: i for i, r in enumerate(distinct)}
+                allowed = held[[place[r] for r in rows]].to(device, non_blocking=True)
+            found = torch.tensor(union, dtype=torch.int64).to(device, non_blocking=True), allowed
+        self._last = (list(rows), sizes, found)
+        return found
 
 
 class DraftEngine:
@@ -266,7 +275,8 @@ class DraftEngine:
         if extra is not None:  # the rows' context ids outside the draft vocabulary, each row's own alone
             extra_ids, allowed = extra
             more = id_logits(self.model, slots, extra_ids)  # (blocks * B, U)
-            more.masked_fill_(~allowed.repeat_interleave(self.block_size, dim=0), float("-inf"))
+            if allowed is not None:
+                more.masked_fill_(~allowed.repeat_interleave(self.block_size, dim=0), float("-inf"))
             total = torch.logaddexp(total, more.logsumexp(dim=-1, keepdim=True))
             more_l, more_i = more.topk(min(k, more.shape[-1]), dim=-1)
             top_l, order = torch.cat([top_l, more_l], dim=-1).topk(k, dim=-1)

@@ -71,7 +71,8 @@ def parse_args(argv=None):
     parser.add_argument("--loss-data", nargs="*", default=[], metavar="DIR",
                         help="held-in data of the loss criterion (prune score/run --loss-data; default: theirs)")
     parser.add_argument("--loss-examples", type=int, default=None,
-                        help="held-in sequences of the loss criterion (prune score/run --loss-examples; default: theirs)")
+                        help="held-in sequences of the loss criterion (prune score/run --loss-examples; default: "
+                        "theirs)")
     parser.add_argument("--run-args", default="", help="more prune run flags, as one shell-quoted string")
     parser.add_argument("--prune", default=f"{shlex.quote(sys.executable)} -m prune", help="the prune command")
     return parser.parse_args(argv)
